@@ -1,0 +1,219 @@
+"""Multi-rank test harness: run a function on N local ranks with a real process group.
+
+``run_distributed(fn, world_size, *args, **kwargs)`` starts ``world_size`` processes on this
+machine, initialises a real ``torch.distributed`` process group in each (gloo by default,
+rendezvous over a free localhost port), calls ``fn(*args, **kwargs)`` on every rank and
+returns the per-rank results as a list indexed by rank.
+
+- A rank that raises makes the call raise :class:`RankFailure` in the caller, naming the rank
+  and carrying its formatted traceback (and those of every other rank that failed).
+- A run that does not finish within ``timeout`` seconds (a deadlock, a rank stuck in a
+  collective) kills every rank and raises :class:`DistributedTimeout`.
+- Each rank is limited to ``threads`` intra-op threads (1 by default) so N ranks do not
+  oversubscribe a small machine.
+
+``fn`` must be importable by name (a module-level function); arguments and results must be
+picklable. Inside ``fn`` use ``torch.distributed`` as usual: ``get_rank()``,
+``get_world_size()``, collectives on the default group.
+
+Example::
+
+    import torch, torch.distributed as dist
+    from hyper_parallel.dtensor.testing import run_distributed
+
+    def _sum_ranks():
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return t.item()
+
+    assert run_distributed(_sum_ranks, 4) == [6.0] * 4
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DistributedTimeout",
+    "RankFailure",
+    "free_port",
+    "run_distributed",
+]
+
+DEFAULT_TIMEOUT = 45.0
+"""Seconds a whole run may take before every rank is killed."""
+
+_GRACE = 2.0  # seconds to wait for sibling ranks' reports after the first failure
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised. ``rank`` is the lowest failing rank; ``failures`` maps each
+    failing rank to its formatted traceback."""
+
+    def __init__(self, failures: dict[int, str], exc_types: dict[int, str]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        self.exc_types = exc_types
+        self.rank = min(self.failures)
+        parts = [f"rank {r} raised {exc_types[r]}:\n{tb}" for r, tb in self.failures.items()]
+        super().__init__(
+            f"{len(self.failures)} rank(s) failed ({sorted(self.failures)}); first: rank "
+            f"{self.rank}\n" + "\n".join(parts)
+        )
+
+
+class DistributedTimeout(TimeoutError):
+    """The run did not finish within its timeout; every rank was killed."""
+
+    def __init__(self, timeout: float, pending: list[int]) -> None:
+        self.timeout = timeout
+        self.pending = pending
+        super().__init__(
+            f"distributed run did not finish within {timeout:.1f}s; ranks {pending} had not "
+            "returned (deadlock or a rank stuck in a collective); all ranks were killed"
+        )
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    threads: int,
+    timeout: float,
+    sys_path: list[str],
+    payload: bytes,
+    queue: Any,
+) -> None:
+    # The test module that defines ``fn`` may live on a path pytest added after the
+    # process pool started, so extend the path before unpickling.
+    for entry in reversed(sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        fn, args, kwargs = pickle.loads(payload)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=max(timeout, 1.0)),
+        )
+        result = fn(*args, **kwargs)
+        queue.put((rank, "ok", pickle.dumps(result)))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the caller
+        queue.put((rank, type(exc).__name__, traceback.format_exc()))
+
+
+def _context() -> Any:
+    # A fork server that has already imported torch starts ranks in a fraction of the
+    # time a fresh interpreter needs; it never runs torch ops itself, so forking it is safe.
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = DEFAULT_TIMEOUT,
+    threads: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return results by rank.
+
+    Raises :class:`RankFailure` if any rank raised (with every failing rank's traceback) and
+    :class:`DistributedTimeout` if the run exceeds ``timeout`` seconds.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    payload = pickle.dumps((fn, args, kwargs))
+    ctx = _context()
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world_size, port, backend, threads, timeout, list(sys.path), payload, queue),
+            daemon=True,
+            name=f"hp-rank-{r}",
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    exc_types: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            try:
+                rank, status, body = queue.get(timeout=min(0.2, deadline - now))
+            except queue_mod.Empty:
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in results and r not in failures:
+                        failures[r] = f"process exited with code {p.exitcode} without a report"
+                        exc_types[r] = "ProcessDied"
+                        deadline = min(deadline, time.monotonic() + _GRACE)
+                continue
+            if status == "ok":
+                results[rank] = pickle.loads(body)
+            else:
+                failures[rank] = body
+                exc_types[rank] = status
+                # Peers of a failed rank usually block in a collective: give them a short
+                # grace period to report their own errors, then stop waiting.
+                deadline = min(deadline, time.monotonic() + _GRACE)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        queue.close()
+
+    if failures:
+        raise RankFailure(failures, exc_types)
+    if len(results) < world_size:
+        raise DistributedTimeout(timeout, [r for r in range(world_size) if r not in results])
+    return [results[r] for r in range(world_size)]
