@@ -1,4 +1,36 @@
-"""hyper_parallel.dtensor (placeholder, being written)."""
-from hyper_parallel.dtensor._version import __version__
+"""hyper_parallel.dtensor: torch DeviceMesh/DTensor made dependable across torch versions.
 
-__all__ = ["__version__"]
+``DeviceMesh``, ``DTensor`` and the placements are torch's own objects. This package adds
+mesh unflatten/flatten that keep the root and sibling groups, a process-group cache, rank
+order checks, pure layout algebra (:mod:`hyper_parallel.dtensor.layout`) and the multi-rank
+test harness (:mod:`hyper_parallel.dtensor.testing`).
+"""
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from hyper_parallel.dtensor._version import __version__
+from hyper_parallel.dtensor.mesh import (
+    check_rank_order,
+    flatten,
+    init_device_mesh,
+    rank_list,
+    root_mesh,
+    unflatten,
+)
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "__version__",
+    "check_rank_order",
+    "distribute_tensor",
+    "flatten",
+    "init_device_mesh",
+    "rank_list",
+    "root_mesh",
+    "unflatten",
+]
