@@ -1,0 +1,185 @@
+"""Shared benchmark plumbing: interleaved timing, peak memory, JSON records.
+
+Every package's benchmark compares "ours" with the baseline a user would otherwise pick, in
+one run, interleaved (each repetition runs every case once, in turn, so drift and noise hit
+all cases alike), and reports the median. Records are plain dicts written as a JSON list::
+
+    {"name": ..., "ours_s": ..., "baseline_s": ..., "ratio": ours_s / baseline_s,
+     "peak_mem_ours": bytes, "peak_mem_baseline": bytes, "world_size": ..., "device": ...,
+     "torch_version": ..., ...extra fields such as shapes}
+
+Timing is never used in a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "bench_record",
+    "interleaved_timing",
+    "launched_by_torchrun",
+    "peak_memory_bytes",
+    "summary_line",
+    "synchronize",
+    "write_records",
+]
+
+
+def launched_by_torchrun() -> bool:
+    """True when this process was started by torchrun (which sets TORCHELASTIC_RUN_ID)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued accelerator work (no-op on CPU)."""
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type != "cpu":
+        module = getattr(torch, dev.type, None)
+        if module is not None and hasattr(module, "synchronize"):
+            module.synchronize()
+
+
+def interleaved_timing(
+    cases: dict[str, Callable[[], Any]],
+    *,
+    repeats: int = 7,
+    warmup: int = 2,
+    group: Any = None,
+    device: torch.device | str | None = None,
+) -> dict[str, float]:
+    """Median wall seconds of each case. Each repetition runs every case once, in turn.
+
+    When torch.distributed is initialised, ranks meet at a barrier before each case and the
+    time of a case is the slowest rank's (a step is as slow as its slowest rank)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for rep in range(warmup + repeats):
+        for name, fn in cases.items():
+            if distributed:
+                dist.barrier(group=group)
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            elapsed = time.perf_counter() - start
+            if distributed:
+                t = torch.tensor([elapsed], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+                elapsed = float(t.item())
+            if rep >= warmup:
+                samples[name].append(elapsed)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Counts bytes of tensor storages created by torch ops while active, live at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._seen or storage.nbytes() == 0:
+            return
+        self._seen.add(key)
+        nbytes = storage.nbytes()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+        def _release(key: int = key, nbytes: int = nbytes) -> None:
+            self._seen.discard(key)
+            self.live -= nbytes
+
+        weakref.finalize(t, _release)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t._is_view():
+                self._track(t)
+        return out
+
+
+def peak_memory_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> int:
+    """Peak bytes of tensor memory allocated while ``fn`` runs, beyond what was alive before.
+
+    On CUDA/NPU this is the allocator's peak; on CPU, tensor storages created by torch ops
+    inside ``fn`` are tracked (memory freed by a tensor's last reference going away counts
+    as freed). Collectives that write into preallocated buffers add nothing beyond those
+    buffers, as on an accelerator."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        module = getattr(torch, dev.type)
+        synchronize(dev)
+        module.reset_peak_memory_stats()
+        before = module.memory_allocated()
+        fn()
+        synchronize(dev)
+        return int(module.max_memory_allocated() - before)
+    tracker = _StorageTracker()
+    with tracker:
+        fn()
+    return tracker.peak
+
+
+def bench_record(
+    name: str,
+    ours_s: float,
+    baseline_s: float,
+    *,
+    peak_mem_ours: int | None = None,
+    peak_mem_baseline: int | None = None,
+    device: str = "cpu",
+    **extra: Any,
+) -> dict[str, Any]:
+    """One comparison as a JSON-ready dict (``ratio = ours_s / baseline_s``, < 1 is faster)."""
+    return {
+        "name": name,
+        "ours_s": ours_s,
+        "baseline_s": baseline_s,
+        "ratio": ours_s / baseline_s if baseline_s > 0 else float("nan"),
+        "peak_mem_ours": peak_mem_ours,
+        "peak_mem_baseline": peak_mem_baseline,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "torch_version": torch.__version__,
+        "device": device,
+        **extra,
+    }
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """One human line per comparison."""
+    mem = ""
+    if record.get("peak_mem_ours") is not None and record.get("peak_mem_baseline") is not None:
+        mem = (
+            f"  peak mem {record['peak_mem_ours'] / 2**20:.1f} MiB"
+            f" vs {record['peak_mem_baseline'] / 2**20:.1f} MiB"
+        )
+    return (
+        f"{record['name']}: ours {record['ours_s'] * 1e3:.2f} ms vs baseline "
+        f"{record['baseline_s'] * 1e3:.2f} ms -> ratio {record['ratio']:.3f}x{mem}"
+    )
+
+
+def write_records(path: str | os.PathLike[str], records: list[dict[str, Any]]) -> None:
+    """Append ``records`` to the JSON list at ``path`` (created if missing)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    existing = json.loads(p.read_text()) if p.exists() else []
+    p.write_text(json.dumps(existing + list(records), indent=2) + "\n")
