@@ -116,9 +116,7 @@ class Layout:
             for o in offsets:
                 s = base + o
                 if s >= n or taken[s]:
-                    raise LayoutError(
-                        f"offsets {tuple(offsets)} do not tile a root of {n} ranks"
-                    )
+                    raise LayoutError(f"offsets {tuple(offsets)} do not tile a root of {n} ranks")
                 taken[s] = True
             bases.append(base)
         return bases

@@ -272,7 +272,9 @@ def unflatten(
         result = _attach_native(mesh, mesh._layout.splice(d, d + 1, partial), new_names, all_groups)
     else:
         ranks = new_layout.instance_ranks(dist.get_rank())
-        result = _attach_fallback(root, _from_groups(mesh.device_type, ranks, all_groups, new_names))
+        result = _attach_fallback(
+            root, _from_groups(mesh.device_type, ranks, all_groups, new_names)
+        )
     return result
 
 

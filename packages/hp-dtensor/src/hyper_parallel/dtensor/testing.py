@@ -58,16 +58,17 @@ _GRACE = 2.0  # seconds to wait for sibling ranks' reports after the first failu
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks raised. ``rank`` is the lowest failing rank; ``failures`` maps each
-    failing rank to its formatted traceback."""
+    """One or more ranks raised. ``rank`` is the rank whose failure arrived first (usually the
+    root cause: its peers then fail in collectives); ``failures`` maps each failing rank to its
+    formatted traceback, in order of arrival."""
 
     def __init__(self, failures: dict[int, str], exc_types: dict[int, str]) -> None:
-        self.failures = dict(sorted(failures.items()))
+        self.failures = dict(failures)
         self.exc_types = exc_types
-        self.rank = min(self.failures)
+        self.rank = next(iter(self.failures))
         parts = [f"rank {r} raised {exc_types[r]}:\n{tb}" for r, tb in self.failures.items()]
         super().__init__(
-            f"{len(self.failures)} rank(s) failed ({sorted(self.failures)}); first: rank "
+            f"{len(self.failures)} rank(s) failed ({sorted(self.failures)}); first to fail: rank "
             f"{self.rank}\n" + "\n".join(parts)
         )
 
@@ -130,7 +131,7 @@ def _rank_main(
         result = fn(*args, **kwargs)
         queue.put((rank, "ok", pickle.dumps(result)))
         dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - everything is reported to the caller
+    except BaseException as exc:
         queue.put((rank, type(exc).__name__, traceback.format_exc()))
 
 
@@ -163,6 +164,20 @@ def run_distributed(
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     payload = pickle.dumps((fn, args, kwargs))
+    for attempt in range(3):
+        try:
+            return _run_once(payload, world_size, backend, timeout, threads)
+        except RankFailure as failure:
+            # Another process may grab the free port between our probe and rank 0's bind.
+            port_taken = any("ddress already in use" in tb for tb in failure.failures.values())
+            if not port_taken or attempt == 2:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run_once(
+    payload: bytes, world_size: int, backend: str, timeout: float, threads: int
+) -> list[Any]:
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
