@@ -1,0 +1,177 @@
+"""Sessions for the hyper-parallel layers monorepo.
+
+    nox                         the default set CI runs: tests (each package alone), integration,
+                                lint, pins
+    nox -s tests                every package's tests, each in its own venv with only that package
+                                and the siblings it declares
+    nox -s "tests(package='hp-mc2')"   one package
+    nox -s integration          all four packages together (tests/integration)
+    nox -s lint                 ruff, mypy, sibling pins, namespace guard
+    nox -s pins                 build every wheel with hatch, install offline from that
+                                wheelhouse, pip check
+    nox -s bench [-- hp-mc2 ...]  benchmarks (all packages, or the ones named)
+    nox -s demo [-- args]       the main job (examples/train_hybrid.py)
+
+torch: CI pins it through ``constraints.txt`` (torch==2.13.0, the CPU wheel). On NPU or CUDA
+images that come with their own torch (and torch_npu), set ``HP_USE_SYSTEM_TORCH=1``: the
+venvs then see the interpreter's site-packages and no second torch is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES_DIR = ROOT / "packages"
+CONSTRAINTS = ROOT / "constraints.txt"
+SYSTEM_TORCH = os.environ.get("HP_USE_SYSTEM_TORCH", "") not in ("", "0")
+
+nox.options.sessions = ["tests", "integration", "lint", "pins"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = False
+# uv is much faster than pip; it is told about pip's local wheel settings below. With the
+# system torch, pip + --system-site-packages is the dependable combination.
+nox.options.default_venv_backend = "venv" if SYSTEM_TORCH else "uv|venv"
+
+
+def _packages() -> list[str]:
+    return sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").exists())
+
+
+def _siblings(dist: str) -> list[str]:
+    """hp-* distributions that ``dist`` declares as runtime requirements."""
+    text = (PACKAGES_DIR / dist / "pyproject.toml").read_text()
+    deps = re.search(r"^dependencies\s*=\s*\[(.*?)\]", text, re.S | re.M)
+    names = re.findall(r'"(hp-[a-z0-9-]+)', deps.group(1)) if deps else []
+    return [n for n in names if n != dist]
+
+
+def _env() -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    links = os.environ.get("PIP_FIND_LINKS")
+    if links:
+        env["UV_FIND_LINKS"] = links
+    if not SYSTEM_TORCH:
+        env["PIP_CONSTRAINT"] = str(CONSTRAINTS)
+        env["UV_CONSTRAINT"] = str(CONSTRAINTS)
+    return env
+
+
+def _venv_params() -> list[str]:
+    return ["--system-site-packages"] if SYSTEM_TORCH else []
+
+
+def _install(session: nox.Session, *args: str) -> None:
+    session.install(*args, env=_env())
+
+
+def _install_packages(session: nox.Session, dists: list[str], extra: str = "test") -> None:
+    targets: list[str] = []
+    for dist in dists:
+        for dep in [*_siblings(dist), dist]:
+            path = str(PACKAGES_DIR / dep)
+            if path not in targets and not any(t.startswith(path + "[") for t in targets):
+                targets.append(path)
+    targets = [f"{t}[{extra}]" if Path(t).name in dists else t for t in targets]
+    _install(session, *targets)
+
+
+@nox.session(venv_params=_venv_params())
+@nox.parametrize("package", _packages())
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests, installed alone (plus the siblings it declares)."""
+    _install_packages(session, [package])
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        str(PACKAGES_DIR / package / "tests"),
+        *session.posargs,
+        env=_env(),
+    )
+
+
+@nox.session(venv_params=_venv_params())
+def integration(session: nox.Session) -> None:
+    """All four layers in one model (tests/integration); HCCL/NCCL where the hardware is."""
+    _install_packages(session, _packages())
+    _install(session, "-r", str(ROOT / "tests" / "integration" / "requirements.txt"))
+    session.run(
+        "python", "-m", "pytest", str(ROOT / "tests" / "integration"), *session.posargs, env=_env()
+    )
+
+
+@nox.session(venv_params=_venv_params())
+def lint(session: nox.Session) -> None:
+    """ruff, mypy on every package's sources, sibling-pin consistency, namespace guard."""
+    _install(session, "ruff>=0.6", "mypy>=1.10")
+    _install_packages(session, _packages(), extra="test")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    for dist in _packages():
+        session.run("mypy", str(PACKAGES_DIR / dist / "src"), env=_env())
+    session.run("python", str(ROOT / "tools" / "check_repo.py"))
+
+
+@nox.session(venv_params=_venv_params())
+def pins(session: nox.Session) -> None:
+    """Build every wheel with hatch, install them offline from that wheelhouse, pip check."""
+    wheelhouse = ROOT / ".nox" / "wheelhouse"
+    shutil.rmtree(wheelhouse, ignore_errors=True)
+    wheelhouse.mkdir(parents=True)
+    _install(session, "hatch", "pip")
+    for dist in _packages():
+        with session.chdir(PACKAGES_DIR / dist):
+            session.run("hatch", "build", "-t", "wheel", str(wheelhouse), env=_env(), silent=True)
+    wheels = sorted(str(w) for w in wheelhouse.glob("*.whl"))
+    session.run("python", str(ROOT / "tools" / "check_wheels.py"), *wheels)
+    # third-party requirements (torch and its own dependencies) join the wheelhouse first,
+    # then everything is installed with the index switched off
+    session.run("python", "-m", "pip", "download", "-q", "-d", str(wheelhouse), *wheels,
+                env=_env())  # fmt: skip
+    offline = ROOT / ".nox" / "pins-offline"
+    shutil.rmtree(offline, ignore_errors=True)
+    session.run(sys.executable, "-m", "venv", *_venv_params(), str(offline), external=True)
+    py = str(offline / "bin" / "python")
+    session.run(py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheelhouse),
+                *[Path(w).name.split("-")[0].replace("_", "-") for w in wheels],
+                external=True, env={"PIP_CONSTRAINT": "", "PIP_FIND_LINKS": ""})  # fmt: skip
+    session.run(py, "-m", "pip", "check", external=True)
+    session.run(py, "-c", "import hyper_parallel.dtensor, hyper_parallel.mc2, "
+                "hyper_parallel.context_parallel, hyper_parallel.kda; print('all layers import')",
+                external=True)  # fmt: skip
+
+
+@nox.session(venv_params=_venv_params())
+def bench(session: nox.Session) -> None:
+    """Every package's benchmark (or those named after --), one combined JSON and a chart."""
+    chosen = session.posargs or _packages()
+    unknown = sorted(set(chosen) - set(_packages()))
+    if unknown:
+        session.error(f"unknown package(s) {unknown}; choose from {_packages()}")
+    _install_packages(session, _packages(), extra="test")
+    _install(session, "matplotlib")
+    out = ROOT / "bench-results"
+    out.mkdir(exist_ok=True)
+    for dist in chosen:
+        scripts = sorted((PACKAGES_DIR / dist / "benchmarks").glob("bench_*.py"))
+        for script in scripts:
+            target = out / f"{dist}.json"
+            target.unlink(missing_ok=True)
+            session.run("python", str(script), "--out", str(target), env=_env())
+    session.run("python", str(ROOT / "tools" / "bench_summary.py"), str(out), env=_env())
+
+
+@nox.session(venv_params=_venv_params())
+def demo(session: nox.Session) -> None:
+    """The main job: train the hybrid model with TP + CP on local ranks, check against serial."""
+    _install_packages(session, _packages(), extra="test")
+    _install(session, "-r", str(ROOT / "examples" / "requirements.txt"))
+    session.run("python", str(ROOT / "examples" / "train_hybrid.py"), *session.posargs,
+                env=_env())  # fmt: skip

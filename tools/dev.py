@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""One entry point that sets itself up: ``python3 tools/dev.py test`` (the test suite, as CI
+runs it) and ``python3 tools/dev.py train`` (the main job). Anything else is passed to nox.
+
+Needs only Python >= 3.10 with pip/venv: the first run creates ``.nox-tools/`` with nox and
+uv, later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ROOT / ".nox-tools"
+REQUIREMENTS = ["nox>=2024.4.15", "uv>=0.4"]
+COMMANDS = {
+    "test": [],  # nox's default sessions: tests, integration, lint, pins
+    "train": ["-s", "demo", "--"],
+    "bench": ["-s", "bench", "--"],
+}
+
+
+def _tools_python() -> Path:
+    py = TOOLS / "bin" / "python"
+    stamp = TOOLS / ".ready"
+    if not stamp.exists():
+        print(f"[dev] creating {TOOLS.relative_to(ROOT)} with {' '.join(REQUIREMENTS)}", flush=True)
+        venv.EnvBuilder(with_pip=True, clear=True).create(TOOLS)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
+        stamp.write_text("ok\n")
+    return py
+
+
+def main(argv: list[str]) -> int:
+    if sys.version_info < (3, 10):
+        print("hyper-parallel layers needs Python >= 3.10", file=sys.stderr)
+        return 2
+    if not argv:
+        print(__doc__)
+        return 2
+    command, rest = argv[0], argv[1:]
+    nox_args = COMMANDS[command] + rest if command in COMMANDS else argv
+    py = _tools_python()
+    env = {**os.environ, "PATH": f"{TOOLS / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run(
+        [str(py), "-m", "nox", "-f", str(ROOT / "noxfile.py"), *nox_args], cwd=ROOT, env=env
+    ).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
