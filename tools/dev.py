@@ -36,7 +36,7 @@ def _tools_python() -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 - this file may run on an old python3
         print("hyper-parallel layers needs Python >= 3.10", file=sys.stderr)
         return 2
     if not argv:

@@ -1,0 +1,201 @@
+"""One MLA block (forward + backward) under Ulysses context parallelism: overlapped vs blocking
+collectives for each strategy, and the latent strategy vs the expanded one, side by side,
+interleaved, median; peak memory; and the bytes each rank receives from its peers per step,
+counted by the event recorder during one extra step (not estimated).
+
+    python packages/hp-context-parallel/benchmarks/bench_context_parallel.py \\
+        --out bench.json [--quick]
+    torchrun --nproc-per-node 2 packages/hp-context-parallel/benchmarks/bench_context_parallel.py \\
+        --device cuda --out bench.json
+
+Without torchrun it starts 2 gloo ranks on this machine; under torchrun it uses the launched
+ranks and the device's own backend (NCCL on CUDA, HCCL on NPU). Rank 0 writes the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.context_parallel import (
+    MLAConfig,
+    MultiHeadLatentAttention,
+    parallelize_mla,
+    record_events,
+)
+from hyper_parallel.dtensor import init_device_mesh
+from hyper_parallel.dtensor.benchmarking import (
+    bench_record,
+    interleaved_timing,
+    launched_by_torchrun,
+    peak_memory_bytes,
+    summary_line,
+    write_records,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CASES = [
+    ("expanded_overlap", "expanded", True),
+    ("expanded_blocking", "expanded", False),
+    ("latent_overlap", "latent", True),
+    ("latent_blocking", "latent", False),
+]
+PAIRS = [
+    ("cp_mla_fwd_bwd/expanded_overlap_vs_blocking", "expanded_overlap", "expanded_blocking"),
+    ("cp_mla_fwd_bwd/latent_overlap_vs_blocking", "latent_overlap", "latent_blocking"),
+    ("cp_mla_fwd_bwd/latent_vs_expanded_overlap", "latent_overlap", "expanded_overlap"),
+    ("cp_mla_fwd_bwd/latent_vs_expanded_blocking", "latent_blocking", "expanded_blocking"),
+]
+
+
+def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    device = torch.device(cfg["device"])
+    dtype = DTYPES[cfg["dtype"]]
+    mesh = init_device_mesh(device.type, (ws,), mesh_dim_names=("cp",))
+    config = MLAConfig(
+        hidden_size=cfg["hidden"],
+        num_heads=cfg["heads"],
+        q_lora_rank=cfg["q_lora"],
+        kv_lora_rank=cfg["kv_lora"],
+        qk_nope_head_dim=cfg["nope"],
+        qk_rope_head_dim=cfg["rope"],
+        v_head_dim=cfg["v"],
+    )
+    torch.manual_seed(0)
+    base = MultiHeadLatentAttention(config).to(device=device, dtype=dtype)
+    models = {
+        name: parallelize_mla(copy.deepcopy(base), mesh, strategy=strategy, overlap=overlap)
+        for name, strategy, overlap in CASES
+    }
+    s_local = cfg["tokens"] // ws
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(1, s_local, cfg["hidden"], generator=g).to(device=device, dtype=dtype)
+    dy = torch.randn(1, s_local, cfg["hidden"], generator=g).to(device=device, dtype=dtype)
+    x.requires_grad_()
+
+    def step(model: torch.nn.Module) -> None:
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        model(x).backward(dy)
+
+    cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
+    times = interleaved_timing(cases, repeats=cfg["repeats"], warmup=cfg["warmup"], device=device)
+    mem = {name: _peak_memory(fn, device) for name, fn in cases.items()}
+    moved = {}
+    for name, fn in cases.items():
+        with record_events() as rec:
+            fn()
+        moved[name] = rec.bytes_received()
+    # values per token each strategy moves, from the shapes (a2a of Q, K, V, O vs Q, latent, O)
+    h, dq, dv = cfg["heads"], config.qk_head_dim, cfg["v"]
+    per_token = {
+        "expanded": (h * dq * 2 + h * dv * 2) * (ws - 1) / ws,
+        "latent": (h * dq + h * dv) * (ws - 1) / ws + (cfg["kv_lora"] + cfg["rope"]) * (ws - 1),
+    }
+    shapes = {
+        k: cfg[k]
+        for k in ("tokens", "hidden", "heads", "q_lora", "kv_lora", "nope", "rope", "v", "dtype")
+    }
+    records = []
+    for name, a, b in PAIRS:
+        strat_a, strat_b = a.split("_")[0], b.split("_")[0]
+        records.append(
+            bench_record(
+                name,
+                times[a],
+                times[b],
+                peak_mem_ours=mem[a],
+                peak_mem_baseline=mem[b],
+                device=device.type,
+                ours=a,
+                baseline=b,
+                bytes_per_rank_ours=moved[a],
+                bytes_per_rank_baseline=moved[b],
+                bytes_ratio=moved[a] / moved[b],
+                bytes_ratio_predicted=per_token[strat_a] / per_token[strat_b],
+                repeats=cfg["repeats"],
+                **shapes,
+            )
+        )
+    return records
+
+
+def _peak_memory(fn: Any, device: torch.device) -> int | None:
+    try:
+        return peak_memory_bytes(fn, device)
+    except RuntimeError as exc:
+        if dist.get_rank() == 0:
+            print(f"peak memory not measured: {exc}")
+        return None
+
+
+def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file the records are appended to")
+    p.add_argument("--quick", action="store_true", help="small shapes, few repeats (< 1 min)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--kv-lora", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    a = p.parse_args(argv)
+    # tokens, hidden, heads, kv_lora, q_lora, repeats
+    dims = (1024, 512, 8, 128, 192, 3) if a.quick else (4096, 1024, 16, 256, 384, 5)
+    cfg = {
+        "device": a.device,
+        "dtype": a.dtype,
+        "tokens": a.tokens or dims[0],
+        "hidden": a.hidden or dims[1],
+        "heads": a.heads or dims[2],
+        "kv_lora": a.kv_lora or dims[3],
+        "q_lora": dims[4],
+        "nope": 64,
+        "rope": 32,
+        "v": 64,
+        "repeats": a.repeats or dims[5],
+        "warmup": 1,
+    }
+    return cfg, a.out
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, out = _config(argv)
+    if launched_by_torchrun():
+        device = torch.device(cfg["device"])
+        if device.type == "npu":
+            import torch_npu  # noqa: F401  (registers the npu device and HCCL)
+        if device.type != "cpu":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            getattr(torch, device.type).set_device(local)
+            cfg["device"] = f"{device.type}:{local}"
+        backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type]
+        dist.init_process_group(backend)
+        records = _body(cfg)
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+    else:
+        from hyper_parallel.dtensor.testing import run_distributed
+
+        records = run_distributed(_body, 2, cfg, timeout=600.0)[0]
+        rank = 0
+    if rank == 0:
+        write_records(out, records)
+        for record in records:
+            print(
+                f"{summary_line(record)}  bytes/rank/step {record['bytes_per_rank_ours']} vs "
+                f"{record['bytes_per_rank_baseline']} (x{record['bytes_ratio']:.3f}, "
+                f"predicted x{record['bytes_ratio_predicted']:.3f})"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""hyper_parallel.context_parallel: Ulysses context parallelism for multi-head latent attention.
+
+Collectives (``ulysses_seq_to_head`` ...), hybrid Ulysses × all-gather attention, the serial
+DeepSeek MLA block, ``parallelize_mla`` (expanded or latent strategy, overlapped or blocking)
+and an event recorder with Chrome-trace export.
+"""
+
+from hyper_parallel.context_parallel._version import __version__
+from hyper_parallel.context_parallel.collectives import (
+    CollectiveHandle,
+    launch_all_gather,
+    launch_head_to_seq,
+    launch_seq_to_head,
+    pending_collectives,
+    shard_sequence,
+    ulysses_head_to_seq,
+    ulysses_seq_to_head,
+)
+from hyper_parallel.context_parallel.hybrid import hybrid_attention, hybrid_meshes
+from hyper_parallel.context_parallel.mla import MLAConfig, MultiHeadLatentAttention
+from hyper_parallel.context_parallel.parallel_mla import (
+    STRATEGIES,
+    ContextParallelMLA,
+    is_context_parallel,
+    parallelize_mla,
+    unparallelize_mla,
+)
+from hyper_parallel.context_parallel.recorder import (
+    Event,
+    EventRecorder,
+    current_recorder,
+    record_events,
+)
+
+__all__ = [
+    "STRATEGIES",
+    "CollectiveHandle",
+    "ContextParallelMLA",
+    "Event",
+    "EventRecorder",
+    "MLAConfig",
+    "MultiHeadLatentAttention",
+    "__version__",
+    "current_recorder",
+    "hybrid_attention",
+    "hybrid_meshes",
+    "is_context_parallel",
+    "launch_all_gather",
+    "launch_head_to_seq",
+    "launch_seq_to_head",
+    "parallelize_mla",
+    "pending_collectives",
+    "record_events",
+    "shard_sequence",
+    "ulysses_head_to_seq",
+    "ulysses_seq_to_head",
+    "unparallelize_mla",
+]

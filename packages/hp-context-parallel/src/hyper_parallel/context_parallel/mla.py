@@ -1,0 +1,189 @@
+"""Serial DeepSeek-V2/V3 multi-head latent attention (MLA). No communication in here.
+
+Shapes: B batch, S tokens, D hidden, H heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim,
+dv = v_head_dim, dc = kv_lora_rank, dq = dn + dr.
+
+- query: ``q_proj`` (``q_lora_rank=None``) or ``q_a_proj -> RMSNorm -> q_b_proj``: [B,S,H,dq];
+  RoPE on its last dr values.
+- ``kv_a_proj_with_mqa``: [B,S,dc+dr] = the latent c (RMSNorm'd) and one rotary key shared
+  by all heads (RoPE'd).
+- ``kv_b_proj`` (rows laid out head by head, ``dn + dv`` rows per head): c -> per-head
+  ``k_nope`` [B,S,H,dn] and ``v`` [B,S,H,dv]; ``k = [k_nope, k_rope]``.
+- causal softmax attention with scale ``dq ** -0.5``, then ``o_proj`` [B,S,H·dv] -> [B,S,D].
+
+The block is split into the steps ``project_q``, ``project_latent``, ``expand_kv``,
+``attend``; the context-parallel rewrite (``parallelize_mla``) calls these same steps on
+sequence or head shards, so the math is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["MLAConfig", "MultiHeadLatentAttention", "RMSNorm", "apply_rope", "rope_cos_sin"]
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Hyper-parameters of one MLA block (names follow the DeepSeek-V2/V3 configs)."""
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "hidden_size",
+            "num_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MLAConfig.{name} must be a positive int, got {v!r}")
+        if self.q_lora_rank is not None and (
+            not isinstance(self.q_lora_rank, int)
+            or isinstance(self.q_lora_rank, bool)
+            or self.q_lora_rank < 1
+        ):
+            raise ValueError(
+                f"MLAConfig.q_lora_rank must be None or a positive int, got {self.q_lora_rank!r}"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return float(self.qk_head_dim) ** -0.5
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_cos_sin(
+    positions: Tensor, dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [len(positions), dim] for the rotate-half RoPE convention."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
+    )
+    freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on ``x [B, S, ..., dr]`` with tables [S, dr] (broadcast over the middle dims)."""
+    shape = (1, cos.shape[0]) + (1,) * (x.dim() - 3) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek-V2/V3 MLA block: ``forward(hidden_states [B, S, D]) -> [B, S, D]`` (causal)."""
+
+    def __init__(self, config: MLAConfig, *, bias: bool = False) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        h, dq = c.num_heads, c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, h * dq, bias=bias)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, h * dq, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias
+        )
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=bias)
+
+    # -- steps ------------------------------------------------------------------------------
+    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        c = self.config
+        return rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
+
+    def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``x [B, S, D] -> q [B, S, H, dq]`` with RoPE on the last dr values."""
+        c = self.config
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(*x.shape[:2], c.num_heads, c.qk_head_dim)
+        q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        return torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+
+    def project_latent(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``x [B, S, D] -> [B, S, dc + dr]``: the normalised latent and the RoPE'd shared key."""
+        c = self.config
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        return torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rope, cos, sin)], dim=-1)
+
+    def split_kv(self, kv: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor]:
+        """``kv [B,S,h,dn+dv]``, ``k_rope [B,S,dr]`` -> ``k [B,S,h,dq]``, ``v [B,S,h,dv]``."""
+        c = self.config
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k_rope = k_rope[:, :, None, :].expand(*k_nope.shape[:3], c.qk_rope_head_dim)
+        return torch.cat([k_nope, k_rope], dim=-1), v
+
+    def expand_kv(self, latent: Tensor) -> tuple[Tensor, Tensor]:
+        """``[B, S, dc + dr] -> k [B, S, H, dq], v [B, S, H, dv]`` through ``kv_b_proj``."""
+        c = self.config
+        lat, k_rope = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(lat).view(*lat.shape[:2], c.num_heads, -1)
+        return self.split_kv(kv, k_rope)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal attention on ``[B, S, h, d]`` tensors holding every token; -> [B, S, h, dv]."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=self.config.softmax_scale,
+        )
+        return out.transpose(1, 2)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"hidden_states must be [B, S, {self.config.hidden_size}], got "
+                f"{tuple(hidden_states.shape)}"
+            )
+        positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)
+        cos, sin = self.rope_tables(positions, hidden_states.dtype)
+        q = self.project_q(hidden_states, cos, sin)
+        k, v = self.expand_kv(self.project_latent(hidden_states, cos, sin))
+        out = self.attend(q, k, v)
+        return self.o_proj(out.flatten(2))

@@ -1,0 +1,345 @@
+"""KDA context parallelism benchmarks, side by side, interleaved, median.
+
+1. ``state_summary`` (chunk-parallel WY/UT form) vs the token-by-token fold
+   (``naive_state_summary``) on one process.
+2. Each exchange protocol (forward + backward of one exchange) at 2 and 4 ranks for
+   Kimi-Linear state shapes (H heads of K = V = 128, fp32): time, bytes received per rank
+   (counted at the collectives), and what ``auto`` picked vs the measured best.
+3. ``kda_context_parallel`` (forward + backward) at 2 ranks vs the serial chunked layer on the
+   whole sequence on one rank (parallel efficiency = serial / (P · parallel)).
+4. On CUDA only: the Triton merge kernel vs the torch backend.
+
+    python packages/hp-kda-kernels/benchmarks/bench_kda.py --out bench-results/kda.json [--quick]
+    torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/bench_kda.py \
+        --device cuda --out ...
+
+Without torchrun it starts gloo ranks on this machine (2, then 4); under torchrun it uses the
+launched ranks and the device's backend. Rank 0 writes the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.dtensor import init_device_mesh
+from hyper_parallel.dtensor.benchmarking import (
+    bench_record,
+    interleaved_timing,
+    launched_by_torchrun,
+    peak_memory_bytes,
+    summary_line,
+    write_records,
+)
+from hyper_parallel.kda import (
+    build_state_exchange,
+    choose_protocol,
+    chunk_kda,
+    kda_context_parallel,
+    naive_state_summary,
+    state_summary,
+)
+from hyper_parallel.kda import exchange as exchange_mod
+from hyper_parallel.kda.cost import grouped_widths
+
+
+def _inputs(B: int, T: int, H: int, K: int, V: int, device: Any, seed: int = 0) -> list[Any]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = -torch.rand(B, T, H, K, generator=gen) * 0.1
+    beta = torch.rand(B, T, H, generator=gen)
+    return [x.to(device) for x in (q, k, v, g, beta)]
+
+
+# ---- 1. chunked summary vs token-by-token ---------------------------------------------------
+def bench_summary(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    B, T, H, K, V = 1, cfg["summary_T"], cfg["summary_H"], 128, 128
+    _, k, v, g, beta = _inputs(B, T, H, K, V, "cpu")
+    # One intra-op thread, like each CP rank: on a shared, loaded host OpenMP barriers make
+    # multi-threaded small ops erratic, and the comparison is per core anyway.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _bench_summary(k, v, g, beta, cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bench_summary(k: Any, v: Any, g: Any, beta: Any, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    with torch.no_grad():
+        cases = {
+            "chunked": lambda: state_summary(k, v, g, beta, chunk_size=64),
+            "token_by_token": lambda: naive_state_summary(k, v, g, beta),
+        }
+        times = interleaved_timing(cases, repeats=cfg["repeats"], warmup=1)
+        mem = {n: peak_memory_bytes(fn) for n, fn in cases.items()}
+    return [
+        bench_record(
+            "kda_state_summary/chunked_vs_token_by_token",
+            times["chunked"],
+            times["token_by_token"],
+            peak_mem_ours=mem["chunked"],
+            peak_mem_baseline=mem["token_by_token"],
+            speedup=times["token_by_token"] / times["chunked"],
+            B=B,
+            T=T,
+            H=H,
+            K=K,
+            V=V,
+            chunk_size=64,
+            threads=torch.get_num_threads(),
+        )
+    ]
+
+
+# ---- 2. exchange protocols -----------------------------------------------------------------
+class _ByteCounter:
+    """Counts bytes this rank receives at the exchange's collectives while active."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> _ByteCounter:
+        me = dist.get_rank()
+        self._saved = {
+            "recv": dist.recv,
+            "broadcast": dist.broadcast,
+            "gather": exchange_mod._all_gather_single,
+        }
+
+        def recv(t: torch.Tensor, *a: Any, **kw: Any) -> Any:
+            self.bytes += t.nbytes
+            return self._saved["recv"](t, *a, **kw)
+
+        def broadcast(t: torch.Tensor, src: int, *a: Any, **kw: Any) -> Any:
+            self.bytes += t.nbytes if src != me else 0
+            return self._saved["broadcast"](t, src, *a, **kw)
+
+        def gather(out: torch.Tensor, inp: torch.Tensor, *a: Any, **kw: Any) -> Any:
+            self.bytes += out.nbytes - inp.nbytes
+            return self._saved["gather"](out, inp, *a, **kw)
+
+        dist.recv, dist.broadcast = recv, broadcast  # type: ignore[assignment]
+        exchange_mod._all_gather_single = gather
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.recv = self._saved["recv"]
+        dist.broadcast = self._saved["broadcast"]
+        exchange_mod._all_gather_single = self._saved["gather"]
+
+
+def bench_exchange(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    P, r = dist.get_world_size(), dist.get_rank()
+    B, H, K, V = 1, cfg["heads"], 128, 128
+    mesh = init_device_mesh(device.type, (P,), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(r)
+    S = torch.randn(B, H, K, V, generator=gen).to(device)
+    M = (torch.randn(B, H, K, K, generator=gen) / K**0.5).to(device)
+    G = torch.randn(B, H, K, V, generator=gen).to(device)
+    variants: dict[str, Any] = {"p2p": ("p2p", None), "allgather": ("allgather", None)}
+    for w in grouped_widths(P):
+        variants[f"grouped:{w}"] = ("grouped", w)
+    variants["auto"] = ("auto", None)
+    executors = {
+        n: build_state_exchange(mesh, p, w, backend="torch") for n, (p, w) in variants.items()
+    }
+
+    def run(ex: Any) -> Callable[[], None]:
+        def step() -> None:
+            ex.forward(S, M)
+            ex.backward(G, M)
+
+        return step
+
+    cases = {n: run(ex) for n, ex in executors.items()}
+    # One exchange takes milliseconds: many repetitions keep the median steady.
+    times = interleaved_timing(cases, repeats=cfg["repeats"] * 5, warmup=2, device=device)
+    received: dict[str, list[int]] = {}
+    for name, fn in cases.items():
+        with _ByteCounter() as counter:
+            fn()
+        got = [0] * P
+        dist.all_gather_object(got, counter.bytes)
+        received[name] = got
+    choice = choose_protocol(P, B, H, K, V, device_type=device.type)
+    auto_name = choice.protocol + (f":{choice.group_size}" if choice.group_size else "")
+    fixed = [n for n in cases if n != "auto"]
+    best = min(fixed, key=times.__getitem__)
+    shapes = {"B": B, "H": H, "K": K, "V": V, "dtype": "fp32", "P": P, "direction": "fwd+bwd"}
+    records = [
+        bench_record(
+            f"kda_exchange/P{P}/{name}_vs_best",
+            times[name],
+            times[best],
+            device=device.type,
+            protocol=name,
+            best=best,
+            bytes_received_per_rank=received[name],
+            bytes_received_max=max(received[name]),
+            modelled_s=choice.costs.get(name),
+            **shapes,
+        )
+        for name in fixed
+    ]
+    records.append(
+        bench_record(
+            f"kda_exchange/P{P}/auto_vs_best",
+            times["auto"],
+            times[best],
+            device=device.type,
+            auto_picked=auto_name,
+            auto_picked_measured_s=times[auto_name],
+            best=best,
+            picked_vs_best=times[auto_name] / times[best],
+            explanation=choice.explanation,
+            bytes_received_per_rank=received["auto"],
+            **shapes,
+        )
+    )
+    return records
+
+
+# ---- 3. the layer vs the serial layer ------------------------------------------------------
+def bench_layer(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    P, r = dist.get_world_size(), dist.get_rank()
+    B, T, H, K, V = 1, cfg["layer_T"], cfg["layer_H"], 128, 128
+    mesh = init_device_mesh(device.type, (P,), mesh_dim_names=("cp",))
+    full = _inputs(B, T, H, K, V, device)
+    lo, hi = T * r // P, T * (r + 1) // P
+    local = [x[:, lo:hi].clone().requires_grad_() for x in full]
+    whole = [x.clone().requires_grad_() for x in full]
+
+    def parallel() -> None:
+        q, k, v, g, beta = local
+        o, _ = kda_context_parallel(q, k, v, g, beta, mesh, protocol="auto", chunk_size=64)
+        o.sum().backward()
+
+    def serial() -> None:
+        q, k, v, g, beta = whole
+        o, _ = chunk_kda(q, k, v, g, beta, chunk_size=64)
+        o.sum().backward()
+
+    cases = {"context_parallel": parallel, "serial": serial}
+    times = interleaved_timing(cases, repeats=cfg["repeats"], warmup=1, device=device)
+    mem = {n: peak_memory_bytes(fn, device) for n, fn in cases.items()}
+    return [
+        bench_record(
+            f"kda_layer_fwd_bwd/P{P}/context_parallel_vs_serial",
+            times["context_parallel"],
+            times["serial"],
+            peak_mem_ours=mem["context_parallel"],
+            peak_mem_baseline=mem["serial"],
+            device=device.type,
+            parallel_efficiency=times["serial"] / (P * times["context_parallel"]),
+            B=B,
+            T=T,
+            H=H,
+            K=K,
+            V=V,
+            chunk_size=64,
+        )
+    ]
+
+
+# ---- 4. Triton kernels (CUDA only) ---------------------------------------------------------
+def bench_kernels(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    from hyper_parallel.kda import affine_merge
+
+    P, B, H, K, V = 8, 1, cfg["heads"], 128, 128
+    S = torch.randn(P, B, H, K, V, device=device)
+    M = torch.randn(P, B, H, K, K, device=device) / K**0.5
+    cases = {
+        "triton": lambda: affine_merge(S, M, P - 1, backend="triton"),
+        "torch": lambda: affine_merge(S, M, P - 1, backend="torch"),
+    }
+    times = interleaved_timing(cases, repeats=cfg["repeats"] * 4, warmup=3, device=device)
+    return [
+        bench_record(
+            "kda_affine_merge/triton_vs_torch",
+            times["triton"],
+            times["torch"],
+            device=device.type,
+            P=P,
+            B=B,
+            H=H,
+            K=K,
+            V=V,
+        )
+    ]
+
+
+def _ranks_body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    device = torch.device(cfg["device"])
+    records = bench_exchange(cfg, device)
+    if dist.get_world_size() == 2:
+        records += bench_layer(cfg, device)
+    return records
+
+
+def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file the records are appended to")
+    p.add_argument("--quick", action="store_true", help="small shapes, few repeats (< 1 min)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    a = p.parse_args(argv)
+    if a.quick:
+        cfg = dict(summary_T=256, summary_H=2, heads=8, layer_T=512, layer_H=1, repeats=3)
+    else:
+        cfg = dict(summary_T=1024, summary_H=4, heads=32, layer_T=4096, layer_H=4, repeats=5)
+    cfg["device"] = a.device
+    return cfg, a.out
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, out = _config(argv)
+    if launched_by_torchrun():
+        device = torch.device(cfg["device"])
+        if device.type == "npu":
+            import torch_npu  # noqa: F401  (registers the npu device and HCCL)
+        if device.type != "cpu":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            getattr(torch, device.type).set_device(local)
+            cfg["device"] = f"{device.type}:{local}"
+        dist.init_process_group({"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type])
+        records = _ranks_body(cfg)
+        if device.type == "cuda":
+            records += bench_kernels(cfg, device)
+        rank = dist.get_rank()
+        if rank == 0:
+            records += bench_summary(cfg)
+        dist.destroy_process_group()
+    else:
+        from hyper_parallel.dtensor.testing import run_distributed
+
+        records = bench_summary(cfg)
+        for P in (2, 4):
+            records += run_distributed(_ranks_body, P, cfg, timeout=900.0)[0]
+        rank = 0
+    if rank == 0:
+        write_records(out, records)
+        for record in records:
+            line = summary_line(record)
+            if "bytes_received_max" in record:
+                line += f"  recv/rank {record['bytes_received_max'] / 2**20:.1f} MiB"
+            if "auto_picked" in record:
+                line += f"  auto picked {record['auto_picked']} (best {record['best']})"
+            if "parallel_efficiency" in record:
+                line += f"  efficiency {record['parallel_efficiency']:.2f}"
+            if "speedup" in record:
+                line += f"  speedup {record['speedup']:.1f}x"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""hp-kda-kernels: context parallelism for KDA (Kimi Delta Attention).
+
+Each context-parallel rank holds a contiguous chunk of the sequence; only the recurrent state
+crosses ranks, as affine summaries ``h_out = M h_in + S``. See ``kda_context_parallel``.
+"""
+
+from ._version import __version__
+from .chunk import chunk_kda, state_summary
+from .cost import DEFAULT_COST_PARAMS, CostParams, ProtocolChoice, choose_protocol
+from .exchange import PROTOCOLS, StateExchange, build_state_exchange
+from .layer import kda_context_parallel
+from .merge import affine_merge, affine_scan, choose_backend
+from .naive import naive_recurrent_kda, naive_state_summary
+
+__all__ = [
+    "DEFAULT_COST_PARAMS",
+    "PROTOCOLS",
+    "CostParams",
+    "ProtocolChoice",
+    "StateExchange",
+    "__version__",
+    "affine_merge",
+    "affine_scan",
+    "build_state_exchange",
+    "choose_backend",
+    "choose_protocol",
+    "chunk_kda",
+    "kda_context_parallel",
+    "naive_recurrent_kda",
+    "naive_state_summary",
+    "state_summary",
+]

@@ -1,0 +1,307 @@
+"""Chunk-parallel KDA in WY / UT form: affine chunk summaries and chunked outputs.
+
+Inside a chunk of ``C`` tokens, with ``Γ_t = Σ_{s≤t} g_s`` (per key dimension) and ``h_0`` the
+state entering the chunk, the delta-rule corrections
+``δ_t = β_t (v_t − (diag(e^{g_t}) h_{t-1})ᵀ k_t)`` satisfy the unit lower-triangular system
+
+    (I + diag(β) A) δ = diag(β) (V − K_Γ h_0),   A_ts = k_tᵀ diag(e^{Γ_t − Γ_s}) k_s  (s < t),
+
+whose solution is ``δ = U − W h_0`` with ``[U | W] = (I + diag(β) A)⁻¹ diag(β) [V | e^{Γ}⊙K]`` (the
+UT transform). Then ``h_C = M_c h_0 + S_c`` with ``M_c = diag(e^{Γ_C}) − K̃ᵀ W`` and
+``S_c = K̃ᵀ U`` (``K̃_s = e^{Γ_C − Γ_s} ⊙ k_s``), and the outputs are
+``o = (scale·e^{Γ}⊙Q − P W) h_0 + P U`` with ``P_ts = scale·q_tᵀ diag(e^{Γ_t − Γ_s}) k_s`` (s ≤ t).
+Gate factors ``e^{Γ_t − Γ_s}`` are never formed as ``e^{Γ_t} · e^{−Γ_s}``: typical gates use
+one reference token per chunk (both factors within ``e^{±60}``, everything a matmul); chunks
+with a wider gate range use 16-token sub-chunks with exact pairwise factors inside and factors
+≤ 1 across, so strong decay cannot overflow. Sequences that are not a multiple of ``C`` are
+padded with identity tokens (``k = v = g = β = 0``), which leave the state unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_chunk_size, check_qkv, state_dtype
+
+__all__ = ["chunk_kda", "state_summary"]
+
+_PAIRWISE_BUDGET = 1 << 24  # elements of the [.., C, 16, K] gate tensors built at once
+
+
+def _chunked(x: torch.Tensor, n: int, C: int) -> torch.Tensor:
+    """``[B, T, H, ...] -> [B, H, n, C, ...]``, zero-padding T up to ``n * C``."""
+    T = x.shape[1]
+    if n * C != T:
+        pad = x.new_zeros(x.shape[0], n * C - T, *x.shape[2:])
+        x = torch.cat([x, pad], dim=1)
+    x = x.reshape(x.shape[0], n, C, *x.shape[2:])
+    return x.movedim(3, 1).contiguous()
+
+
+_SUB = 16  # sub-chunk width: exact pairwise decays inside, factored matmuls across
+
+# Exponents are clamped to [-80, 80]: e^-80 ≈ 1.8e-35 is still a normal fp32 number, so no
+# decay factor is subnormal (subnormal arithmetic is several times slower on CPUs) and the
+# floored terms are far below the resolution of any sum they enter; the ceiling keeps the
+# masked-out (acausal) entries finite, so zeroing them leaves no inf·0 in values or gradients.
+_EXP_LIMIT = 80.0
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-_EXP_LIMIT, _EXP_LIMIT).exp()
+
+
+def _masked_exp(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``e^x`` where ``keep``, exactly 0 elsewhere."""
+    return _exp(x) * keep
+
+
+_FACTOR_SPAN = 60.0  # largest in-chunk gate range |Γ_t − Γ_s| the one-reference form allows
+
+
+def _decay_products(
+    G: torch.Tensor, k: torch.Tensor, q: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``A_ts = k_tᵀ diag(e^{Γ_t − Γ_s}) k_s`` (s < t) and ``P_ts = q_tᵀ diag(e^{Γ_t − Γ_s}) k_s``
+    (s ≤ t) for chunked ``[.., C, K]`` inputs.
+
+    When every chunk's gate range is at most ``_FACTOR_SPAN`` (typical KDA gates), both are
+    plain matmuls through the chunk's first token: ``e^{Γ_t − Γ_s} = e^{Γ_t − Γ_1} · e^{Γ_1 − Γ_s}``
+    with both factors within ``e^{±60}``. Otherwise :func:`_decay_products_subchunked` keeps
+    every factor ≤ 1.
+    """
+    span = float((G.amax(-2) - G.amin(-2)).max().detach()) if G.numel() else 0.0
+    if span > _FACTOR_SPAN:
+        return _decay_products_subchunked(G, k, q)
+    G_ref = G[..., :1, :]
+    right = (k * (G_ref - G).exp()).transpose(-1, -2)
+    left = (G - G_ref).exp()
+    A = ((k * left) @ right).tril(-1)
+    P = ((q * left) @ right).tril() if q is not None else None
+    return A, P
+
+
+def _decay_products_subchunked(
+    G: torch.Tensor, k: torch.Tensor, q: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_decay_products` for any gate range.
+
+    Inside a sub-chunk the gate differences are exponentiated pairwise. Across sub-chunks
+    (``s`` in sub-chunk ``j``, ``t`` later) ``e^{Γ_t − Γ_s} = e^{Γ_t − Γ_e} · e^{Γ_e − Γ_s}`` with
+    ``e`` the last token of sub-chunk ``j``; both exponents are ≤ 0 for decaying gates, so the
+    product is a matmul that can only underflow where the true value does.
+    """
+    C = G.shape[-2]
+    c = _SUB if C % _SUB == 0 else C
+    ns = C // c
+    lead = G.shape[:-2]
+    Gb, kb = G.unflatten(-2, (ns, c)), k.unflatten(-2, (ns, c))
+    causal = torch.ones(c, c, dtype=torch.bool, device=G.device).tril()
+    decay = _masked_exp(Gb.unsqueeze(-2) - Gb.unsqueeze(-3), causal[..., None])  # [.., ns, t, s, K]
+    eye = torch.eye(ns, dtype=G.dtype, device=G.device)[:, None, :, None]
+
+    def assemble(diag: torch.Tensor, off: torch.Tensor | None) -> torch.Tensor:
+        full = (diag.unsqueeze(-2) * eye).reshape(*lead, C, C)
+        if off is not None:  # off: [.., ns(j), C(t), c(s)]
+            full = full + off.movedim(-3, -2).reshape(*lead, C, C)
+        return full
+
+    decayed_k = decay * kb.unsqueeze(-3)  # [.., ns, t, s, K]: e^{Γ_t − Γ_s} ⊙ k_s
+    A_diag = (decayed_k @ kb.unsqueeze(-1)).squeeze(-1).tril(-1)
+    P_diag = None
+    if q is not None:
+        P_diag = (decayed_k @ q.unflatten(-2, (ns, c)).unsqueeze(-1)).squeeze(-1)
+    A_off = P_off = None
+    if ns > 1:
+        G_end = Gb[..., -1, :]  # [.., ns, K]
+        right = (kb * _exp(G_end.unsqueeze(-2) - Gb)).transpose(-1, -2)  # [.., ns, K, c]
+        later = torch.arange(C, device=G.device)[:, None] // c > torch.arange(ns, device=G.device)
+        left = _masked_exp(G.unsqueeze(-2) - G_end.unsqueeze(-3), later[..., None])  # [.., t, j, K]
+        A_off = (left * k.unsqueeze(-2)).movedim(-2, -3) @ right
+        if q is not None:
+            P_off = (left * q.unsqueeze(-2)).movedim(-2, -3) @ right
+    A = assemble(A_diag, A_off)
+    P = assemble(P_diag, P_off) if P_diag is not None else None
+    return A, P
+
+
+def _chunk_terms(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    q: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
+    """Per-chunk terms for chunked inputs ``[B, H, n, C, ...]``.
+
+    Returns ``(S_c [.., n, K, V], M_c [.., n, K, K])`` and, when ``q`` is given, also
+    ``(Q_eff [.., n, C, K], O_c [.., n, C, V])`` with ``o = Q_eff h_0 + O_c`` per chunk.
+    """
+    C, V = k.shape[-2], v.shape[-1]
+    # The in-chunk prefix sum as a matmul: CPU cumsum along a middle dim is a slow serial loop.
+    G = torch.ones(C, C, dtype=g.dtype, device=g.device).tril() @ g
+    A, P = _decay_products(G, k, None if q is None else q * scale)
+    eye = torch.eye(C, dtype=k.dtype, device=k.device)
+    lower = eye + beta.unsqueeze(-1) * A
+    G_exp = _exp(G)
+    rhs = beta.unsqueeze(-1) * torch.cat([v, G_exp * k], dim=-1)
+    UW = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., :V], UW[..., V:]
+    G_last = G[..., -1:, :]
+    k_tail_t = (_exp(G_last - G) * k).transpose(-1, -2)
+    M_c = torch.diag_embed(_exp(G_last.squeeze(-2))) - k_tail_t @ W
+    S_c = k_tail_t @ U
+    if q is None or P is None:
+        return S_c, M_c
+    Q_eff = (G_exp * q) * scale - P @ W
+    return S_c, M_c, Q_eff, P @ U
+
+
+def _all_chunk_terms(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    q: torch.Tensor | None,
+    scale: float,
+) -> list[torch.Tensor]:
+    """:func:`_chunk_terms` over all chunks, a bounded number of chunks at a time."""
+    B, H, n, C, K = k.shape
+    per_chunk = B * H * C * min(C, 2 * _SUB) * K
+    step = max(1, _PAIRWISE_BUDGET // max(per_chunk, 1))
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for lo in range(0, n, step):
+        sl = slice(lo, lo + step)
+        parts.append(
+            _chunk_terms(
+                k[:, :, sl],
+                v[:, :, sl],
+                g[:, :, sl],
+                beta[:, :, sl],
+                None if q is None else q[:, :, sl],
+                scale,
+            )
+        )
+    return [torch.cat(items, dim=2) if len(parts) > 1 else items[0] for items in zip(*parts)]
+
+
+def _compose_all(S_c: torch.Tensor, M_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compose chunk maps ``[.., n, ...]`` in order (later ∘ earlier) by pairwise reduction."""
+    while S_c.shape[-3] > 1:
+        n = S_c.shape[-3]
+        even = n - n % 2
+        S_a, S_b = S_c[..., 0:even:2, :, :], S_c[..., 1:even:2, :, :]
+        M_a, M_b = M_c[..., 0:even:2, :, :], M_c[..., 1:even:2, :, :]
+        S_new, M_new = M_b @ S_a + S_b, M_b @ M_a
+        if n % 2:
+            S_new = torch.cat([S_new, S_c[..., -1:, :, :]], dim=-3)
+            M_new = torch.cat([M_new, M_c[..., -1:, :, :]], dim=-3)
+        S_c, M_c = S_new, M_new
+    return S_c[..., 0, :, :], M_c[..., 0, :, :]
+
+
+def _prepare(
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int,
+    dt: torch.dtype,
+) -> tuple[int, list[torch.Tensor | None]]:
+    T = k.shape[1]
+    n = max(1, -(-T // chunk_size))
+    C = chunk_size if T >= chunk_size else max(T, 1)
+    n = max(1, -(-T // C))
+    out: list[torch.Tensor | None] = []
+    for x in (q, k, v, g, beta):
+        out.append(None if x is None else _chunked(x.to(dt), n, C))
+    return n, out
+
+
+def state_summary(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk_size: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Affine summary ``(S, M)`` of a chunk of tokens, computed chunk-parallel.
+
+    ``k, g: [B, T, H, K]``, ``v: [B, T, H, V]``, ``beta: [B, T, H]``; any ``T >= 0``.
+    Returns ``S: [B, H, K, V]`` (the final state from a zero start) and
+    ``M: [B, H, K, K] = M_T ⋯ M_1`` so that ``h_out = M h_in + S``; fp32 (fp64 for fp64 inputs).
+    Differentiable. Equal to :func:`naive_state_summary` up to rounding.
+    """
+    B, T, H, K, V = check_qkv(k, k, v, g, beta, None)
+    check_chunk_size(chunk_size)
+    dt = state_dtype(v)
+    if T == 0:
+        eye = torch.eye(K, dtype=dt, device=k.device).expand(B, H, K, K).clone()
+        return k.new_zeros(B, H, K, V, dtype=dt), eye
+    _, (_, kc, vc, gc, bc) = _prepare(None, k, v, g, beta, chunk_size, dt)
+    assert kc is not None and vc is not None and gc is not None and bc is not None
+    S_c, M_c = _all_chunk_terms(kc, vc, gc, bc, None, 1.0)
+    return _compose_all(S_c, M_c)
+
+
+def chunk_terms(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    chunk_size: int,
+) -> tuple[torch.Tensor, ...]:
+    """State-independent per-chunk terms ``(S_c, M_c, Q_eff, O_c)`` of validated, non-empty
+    inputs, in the state dtype; see :func:`run_chunks` and :func:`compose_chunks`."""
+    _, (qc, kc, vc, gc, bc) = _prepare(q, k, v, g, beta, chunk_size, state_dtype(v))
+    assert qc is not None and kc is not None and vc is not None and gc is not None
+    assert bc is not None
+    return tuple(_all_chunk_terms(kc, vc, gc, bc, qc, scale))
+
+
+def compose_chunks(terms: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole sequence's ``(S, M)`` from :func:`chunk_terms`."""
+    return _compose_all(terms[0], terms[1])
+
+
+def run_chunks(
+    terms: tuple[torch.Tensor, ...], h: torch.Tensor, T: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs ``[B, T, H, V]`` (state dtype) and the final state, starting from ``h``."""
+    S_c, M_c, Q_eff, O_c = terms
+    outs = []
+    for i in range(S_c.shape[2]):
+        outs.append(Q_eff[:, :, i] @ h + O_c[:, :, i])
+        h = M_c[:, :, i] @ h + S_c[:, :, i]
+    o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :T].transpose(1, 2)
+    return o, h
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunk-parallel twin of :func:`naive_recurrent_kda` (same signature plus ``chunk_size``).
+
+    Returns ``(o [B, T, H, V] in v's dtype, final state [B, H, K, V] or None)``.
+    Differentiable; the state is fp32 (fp64 for fp64 inputs).
+    """
+    B, T, H, K, V = check_qkv(q, k, v, g, beta, initial_state)
+    check_chunk_size(chunk_size)
+    dt = state_dtype(v)
+    if scale is None:
+        scale = K**-0.5
+    h = k.new_zeros(B, H, K, V, dtype=dt)
+    if initial_state is not None:
+        h = h + initial_state.to(dt)
+    if T == 0:
+        return v.new_zeros(B, 0, H, V), (h if output_final_state else None)
+    o, h = run_chunks(chunk_terms(q, k, v, g, beta, scale, chunk_size), h, T)
+    return o.to(v.dtype), (h if output_final_state else None)

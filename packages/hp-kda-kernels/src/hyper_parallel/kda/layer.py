@@ -1,0 +1,115 @@
+"""``kda_context_parallel``: KDA over a sequence split into contiguous chunks across CP ranks.
+
+Rank ``r`` computes its chunk's summary ``(S_r, M_r)`` chunk-parallel, the exchange gives it the
+incoming state ``h_in(r)``, and the chunked recurrence from ``h_in(r)`` gives its outputs. The
+initial state enters as part of the first rank's summary (``S_0 ← M_0 h_0 + S_0``). Backward:
+the gradient reaching ``h_in(r)`` is exchanged as the transposed suffix, which gives
+``∂L/∂S_r = g_out(r)`` and ``∂L/∂M_r = g_out(r) h_in(r)ᵀ``; autograd carries both into
+``k, v, g, β`` through the summary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._checks import check_chunk_size, check_kernel_dims, check_qkv
+from .chunk import chunk_terms, compose_chunks, run_chunks
+from .cost import CostParams
+from .exchange import StateExchange, build_state_exchange
+
+__all__ = ["kda_context_parallel"]
+
+_EXECUTORS: dict[tuple[Any, ...], StateExchange] = {}
+
+
+def _executor(
+    mesh: Any, protocol: str, group_size: int | None, backend: str, params: CostParams | None
+) -> StateExchange:
+    key = (mesh, protocol, group_size, backend, params)
+    ex = _EXECUTORS.get(key)
+    if ex is None:
+        ex = _EXECUTORS[key] = build_state_exchange(
+            mesh, protocol, group_size, backend=backend, cost_params=params
+        )
+    return ex
+
+
+class _ExchangeFn(torch.autograd.Function):
+    """``(S_r, M_r) ↦ h_in(r)``; keeps only the rank's own ``M`` and ``h_in`` for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, S: torch.Tensor, M: torch.Tensor, ex: StateExchange) -> torch.Tensor:
+        h_in = ex.forward(S, M)
+        ctx.ex = ex
+        ctx.save_for_backward(M, h_in)
+        return h_in
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        M, h_in = ctx.saved_tensors
+        g_out = ctx.ex.backward(grad.to(torch.float32).contiguous(), M)
+        return g_out, g_out @ h_in.transpose(-1, -2), None
+
+
+def kda_context_parallel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    mesh: Any,
+    *,
+    protocol: str = "auto",
+    group_size: int | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+    cost_params: CostParams | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA with the sequence split across the ranks of the 1-D ``mesh`` (rank ``r`` holds the
+    ``r``-th contiguous chunk, chunks may differ in length).
+
+    Per rank: ``q, k, g: [B, T_r, H, K]``, ``v: [B, T_r, H, V]``, ``beta: [B, T_r, H]``;
+    ``initial_state [B, H, K, V]`` is the whole sequence's initial state, read on the mesh's
+    first rank (ignored elsewhere). Returns ``(o_local [B, T_r, H, V] in v's dtype,
+    final_state)``: ``o_local`` is this rank's slice of ``naive_recurrent_kda`` on the whole
+    sequence; ``final_state`` (fp32 ``[B, H, K, V]``) is the whole sequence's final state on the
+    mesh's last rank when ``output_final_state``, else None. Differentiable w.r.t. every input
+    and the final state; when gradients are needed every rank must run backward through its
+    output (the backward exchange is collective). State and summaries are fp32.
+    ``protocol``/``group_size``/``cost_params`` configure :func:`build_state_exchange`;
+    ``backend`` selects the fold backend. All checks run before any communication.
+    """
+    B, T, H, K, V = check_qkv(q, k, v, g, beta, initial_state)
+    check_chunk_size(chunk_size)
+    if backend == "triton" and (why := check_kernel_dims(K, V)):
+        raise ValueError(f"backend 'triton' does not support these dims: {why}")
+    dev_type = str(getattr(mesh, "device_type", "cpu"))
+    if q.device.type != dev_type:
+        raise ValueError(f"inputs on {q.device} but the mesh is a {dev_type!r} mesh")
+    ex = _executor(mesh, protocol, group_size, backend, cost_params)
+    first = ex.position == 0
+    last = ex.position == ex.world_size - 1
+    if scale is None:
+        scale = K**-0.5
+    f32 = [x.to(torch.float32) for x in (q, k, v, g, beta)]
+    h0 = initial_state.to(torch.float32) if (first and initial_state is not None) else None
+    if T == 0:
+        S = q.new_zeros(B, H, K, V, dtype=torch.float32)
+        M = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, H, K, K).contiguous()
+    else:
+        terms = chunk_terms(f32[0], f32[1], f32[2], f32[3], f32[4], scale, chunk_size)
+        S, M = compose_chunks(terms)
+    if h0 is not None:
+        S = M @ h0 + S
+    h_x = _ExchangeFn.apply(S.contiguous(), M.contiguous(), ex)
+    h_in = h_x + h0 if h0 is not None else h_x
+    if T == 0:
+        o, h_out = v.new_zeros(B, 0, H, V, dtype=torch.float32), h_in
+    else:
+        o, h_out = run_chunks(terms, h_in, T)
+    return o.to(v.dtype), (h_out if output_final_state and last else None)

@@ -1,0 +1,62 @@
+"""Shared helpers for the hp-kda-kernels tests: seeded inputs and float64 reference folds."""
+
+from __future__ import annotations
+
+import torch
+
+
+def kda_inputs(
+    B: int, T: int, H: int, K: int, V: int, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v, g, beta, h0)`` with unit-norm keys and decaying gates (KDA's regime)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = rnd(B, T, H, K)
+    k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
+    v = rnd(B, T, H, V)
+    g = -torch.rand(B, T, H, K, generator=gen, dtype=torch.float64) * 0.4
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    h0 = rnd(B, H, K, V)
+    return tuple(x.to(dtype) for x in (q, k, v, g, beta, h0))
+
+
+def random_summaries(
+    P: int, B: int, H: int, K: int, V: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``states [P, B, H, K, V]`` and contractive-ish ``matrices [P, B, H, K, K]``."""
+    gen = torch.Generator().manual_seed(seed)
+    S = torch.randn(P, B, H, K, V, generator=gen, dtype=torch.float64)
+    M = torch.randn(P, B, H, K, K, generator=gen, dtype=torch.float64) / K**0.5
+    return S, M
+
+
+def fold64(
+    states: torch.Tensor,
+    matrices: torch.Tensor,
+    order: list[int],
+    forward: bool,
+    incoming: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """float64 fold over ``order``; returns the accumulator after 0, 1, …, len(order) steps."""
+    acc = (
+        torch.zeros_like(states[0], dtype=torch.float64) if incoming is None else incoming.double()
+    )
+    trail = [acc]
+    for j in order:
+        m = matrices[j].double()
+        acc = (m if forward else m.transpose(-1, -2)) @ acc + states[j].double()
+        trail.append(acc)
+    return trail
+
+
+def bounds(T: int, P: int) -> list[int]:
+    """Uneven contiguous split points of ``T`` tokens over ``P`` ranks."""
+    return [T * i // P for i in range(P + 1)]
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))

@@ -1,0 +1,33 @@
+"""hyper_parallel.mc2: tensor + sequence parallel linear layers whose all-gather /
+reduce-scatter is fused with (Ascend MC2 kernels) or overlapped with (chunked async
+collectives) the matmul, in forward and backward."""
+
+from hyper_parallel.mc2._version import __version__
+from hyper_parallel.mc2.backend import default_chunks, npu_constraint_failure, select_backend
+from hyper_parallel.mc2.functional import all_gather_matmul, matmul_reduce_scatter
+from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel
+from hyper_parallel.mc2.npu_ops import NpuOps, TorchNpuOps, hccl_comm_name, use_npu_ops
+from hyper_parallel.mc2.reference import (
+    all_gather_matmul_reference,
+    matmul_reduce_scatter_reference,
+)
+from hyper_parallel.mc2.styles import MC2ColwiseParallel, MC2RowwiseParallel
+
+__all__ = [
+    "MC2ColwiseParallel",
+    "MC2Linear",
+    "MC2Parallel",
+    "MC2RowwiseParallel",
+    "NpuOps",
+    "TorchNpuOps",
+    "__version__",
+    "all_gather_matmul",
+    "all_gather_matmul_reference",
+    "default_chunks",
+    "hccl_comm_name",
+    "matmul_reduce_scatter",
+    "matmul_reduce_scatter_reference",
+    "npu_constraint_failure",
+    "select_backend",
+    "use_npu_ops",
+]

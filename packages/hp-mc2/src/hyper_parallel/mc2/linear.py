@@ -1,0 +1,183 @@
+"""``MC2Linear``: an ``nn.Linear`` whose forward can be a sequence+tensor parallel dual."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from hyper_parallel.mc2.backend import BACKENDS, dtype_name
+from hyper_parallel.mc2.functional import all_gather_matmul, matmul_reduce_scatter
+
+__all__ = ["MC2Linear", "MC2Parallel"]
+
+Mode = Literal["column", "row"]
+
+
+@dataclass(frozen=True)
+class MC2Parallel:
+    """How an :class:`MC2Linear` runs: ``column`` (sequence-sharded in, feature-sharded out,
+    :func:`all_gather_matmul`) or ``row`` (feature-sharded in, sequence-sharded out,
+    :func:`matmul_reduce_scatter`) over ``group``, the sequence at ``sequence_dim``."""
+
+    mode: Mode
+    group: Any
+    sequence_dim: int = 1
+    backend: str = "auto"
+    chunks: int | None = None
+    #: when set, outputs are wrapped as DTensors on this 1-D mesh (``use_local_output=False``)
+    output_mesh: Any = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("column", "row"):
+            raise ValueError(f"mode must be 'column' or 'row', got {self.mode!r}")
+        check_sequence_dim(self.sequence_dim)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.chunks is not None and (
+            not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1
+        ):
+            raise ValueError(f"chunks must be a positive int or None, got {self.chunks!r}")
+
+
+def check_sequence_dim(sequence_dim: Any) -> None:
+    if not isinstance(sequence_dim, int) or isinstance(sequence_dim, bool):
+        raise TypeError(f"sequence_dim must be an int, got {type(sequence_dim).__name__}")
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class MC2Linear(nn.Linear):
+    """``nn.Linear`` that, once given an :class:`MC2Parallel` (usually by
+    :class:`MC2ColwiseParallel` / :class:`MC2RowwiseParallel`), runs as a fused/overlapped
+    sequence+tensor parallel layer. Without one it computes exactly ``nn.Linear``.
+
+    Column mode: input ``[..., S/ws, ..., in]`` (sequence-sharded), output
+    ``[..., S, ..., out/ws]``. Row mode: input ``[..., S, ..., in/ws]``, output
+    ``[..., S/ws, ..., out]``. The weight (and bias) are this rank's shards, as plain tensors
+    or DTensors.
+    """
+
+    mc2: MC2Parallel | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        parallel: MC2Parallel | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.mc2 = parallel
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, parallel: MC2Parallel | None = None) -> MC2Linear:
+        """Turn ``linear`` into an ``MC2Linear`` in place (same object, same ``Parameter``
+        objects, hooks kept) and return it."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(
+                f"MC2Linear.from_linear needs an nn.Linear, got {type(linear).__name__}"
+            )
+        converted = cast(MC2Linear, linear)
+        if not isinstance(linear, MC2Linear):
+            linear.__class__ = cls
+            converted.mc2 = None
+        if parallel is not None:
+            converted.mc2 = parallel
+        return converted
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        if self.mc2 is None:
+            return base
+        cfg = self.mc2
+        return (
+            f"{base}, mode={cfg.mode}, sequence_dim={cfg.sequence_dim}, backend={cfg.backend}, "
+            f"chunks={cfg.chunks}"
+        )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        cfg = self.mc2
+        if cfg is None:
+            return F.linear(input, self.weight, self.bias)
+        x = input
+        if isinstance(x, DTensor):
+            # Bring a DTensor input to the layout this mode consumes, then work on its shard.
+            d = x.dim()
+            if d >= 2 and -d <= cfg.sequence_dim < d:
+                want = Shard(cfg.sequence_dim % d) if cfg.mode == "column" else Shard(d - 1)
+                if tuple(x.placements) != (want,):
+                    x = x.redistribute(placements=[want])
+            x = x.to_local()
+        weight, bias = _local(self.weight), _local(self.bias)
+        assert weight is not None
+        ws = dist.get_world_size(cfg.group)
+        seq = self._check_input(x, weight, bias, cfg, ws)
+        # Sequence first, so flattening puts each rank's tokens in one contiguous row block.
+        xs = x.movedim(seq, 0)
+        lead = xs.shape[:-1]
+        x2 = xs.reshape(-1, xs.shape[-1])
+        if cfg.mode == "column":
+            y2 = all_gather_matmul(
+                x2, weight, cfg.group, bias=bias, backend=cfg.backend, chunks=cfg.chunks
+            )
+            out_lead = (lead[0] * ws, *lead[1:])
+        else:
+            y2 = matmul_reduce_scatter(
+                x2, weight, cfg.group, bias=bias, backend=cfg.backend, chunks=cfg.chunks
+            )
+            out_lead = (lead[0] // ws, *lead[1:])
+        y = y2.view(*out_lead, y2.shape[-1]).movedim(0, seq)
+        if cfg.output_mesh is not None:
+            placement = Shard(y.dim() - 1) if cfg.mode == "column" else Shard(seq)
+            y = DTensor.from_local(y, cfg.output_mesh, [placement], run_check=False)
+        return y
+
+    @staticmethod
+    def _check_input(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        cfg: MC2Parallel,
+        ws: int,
+    ) -> int:
+        """Local checks the same on every rank, before any communication; returns the
+        normalised sequence dim."""
+        if x.dim() < 2:
+            raise ValueError(
+                f"MC2Linear ({cfg.mode}) needs an input with a sequence dim and a feature dim, "
+                f"got shape {tuple(x.shape)}"
+            )
+        d = x.dim()
+        if not -d <= cfg.sequence_dim < d or cfg.sequence_dim % d == d - 1:
+            raise ValueError(
+                f"sequence_dim={cfg.sequence_dim} is out of range for a {x.dim()}-D input "
+                f"{tuple(x.shape)} (the last dim holds the features)"
+            )
+        seq = cfg.sequence_dim % x.dim()
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"MC2Linear ({cfg.mode}): input has {x.shape[-1]} features but the local weight "
+                f"is {tuple(weight.shape)} ([out, in])"
+            )
+        if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+            raise TypeError(
+                f"MC2Linear ({cfg.mode}): input is {dtype_name(x.dtype)} but the weight/bias "
+                f"are {dtype_name(weight.dtype)}; cast the module or the input"
+            )
+        if cfg.mode == "row" and x.shape[seq] % ws:
+            raise ValueError(
+                f"MC2Linear (row): sequence length {x.shape[seq]} (dim {seq}) is not divisible "
+                f"by the tensor-parallel size {ws}"
+            )
+        return seq
