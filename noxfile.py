@@ -114,8 +114,11 @@ def lint(session: nox.Session) -> None:
     _install_packages(session, _packages(), extra="test")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    layers = {"hp-dtensor": "dtensor", "hp-mc2": "mc2", "hp-context-parallel": "context_parallel",
+              "hp-kda-kernels": "kda"}  # fmt: skip
     for dist in _packages():
-        session.run("mypy", str(PACKAGES_DIR / dist / "src"), env=_env())
+        src = PACKAGES_DIR / dist / "src"
+        session.run("mypy", "-p", f"hyper_parallel.{layers[dist]}", env={"MYPYPATH": str(src)})
     session.run("python", str(ROOT / "tools" / "check_repo.py"))
 
 

@@ -111,7 +111,9 @@ class _StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t._is_view():
+            # Wrapper subclasses (DTensor) own no storage; their inner tensors come from
+            # ops that pass through this mode themselves and are counted there.
+            if type(t) is torch.Tensor and not t._is_view():
                 self._track(t)
         return out
 

@@ -130,6 +130,9 @@ def _rank_main(
         )
         result = fn(*args, **kwargs)
         queue.put((rank, "ok", pickle.dumps(result)))
+        # Rank 0 hosts the rendezvous store: nobody leaves (taking the store or a peer
+        # connection with it) while a slower rank may still be creating groups.
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:
         queue.put((rank, type(exc).__name__, traceback.format_exc()))
