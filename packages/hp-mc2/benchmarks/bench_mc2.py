@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
     bench_record,
     interleaved_timing,

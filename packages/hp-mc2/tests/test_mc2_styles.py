@@ -10,10 +10,10 @@ import pytest
 import torch
 from _mc2_testutil import max_err, rank_and_size, seeded
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.mc2 import MC2ColwiseParallel, MC2Linear, MC2RowwiseParallel
 

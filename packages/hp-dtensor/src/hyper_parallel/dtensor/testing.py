@@ -34,9 +34,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import re
+import subprocess
 import queue as queue_mod
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -49,6 +52,7 @@ __all__ = [
     "RankFailure",
     "free_port",
     "run_distributed",
+    "run_markdown_example",
 ]
 
 DEFAULT_TIMEOUT = 45.0
@@ -235,3 +239,27 @@ def _run_once(
     if len(results) < world_size:
         raise DistributedTimeout(timeout, [r for r in range(world_size) if r not in results])
     return [results[r] for r in range(world_size)]
+
+
+def run_markdown_example(path: str | os.PathLike[str], index: int = 0, timeout: float = 300) -> str:
+    """Run the ``index``-th ```python block of a Markdown file as a script; return its stdout.
+
+    Documentation examples are part of the contract: each package's tests run its README
+    example this way. Raises ``RuntimeError`` carrying the script's stderr if it fails."""
+    text = open(path, encoding="utf-8").read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    if len(blocks) <= index:
+        raise ValueError(f"{path} has {len(blocks)} python block(s); asked for #{index}")
+    with tempfile.TemporaryDirectory() as tmp:
+        # a real file, so rank processes can import the example's functions from __main__
+        script = os.path.join(tmp, "readme_example.py")
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(blocks[index])
+        done = subprocess.run(
+            [sys.executable, script], capture_output=True, text=True, timeout=timeout, cwd=tmp
+        )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"README example {path}#{index} exited with {done.returncode}:\n{done.stderr[-4000:]}"
+        )
+    return done.stdout
