@@ -34,10 +34,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import re
-import subprocess
 import queue as queue_mod
+import re
 import socket
+import subprocess
 import sys
 import tempfile
 import time
