@@ -54,6 +54,9 @@ def _siblings(dist: str) -> list[str]:
 
 def _env() -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # Triton kernels run in the interpreter on CPU; set TRITON_INTERPRET=0 to compile them on
+    # a GPU. It must be set before anything imports triton (fla-core does), so it is set here.
+    env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "1")
     links = os.environ.get("PIP_FIND_LINKS")
     if links:
         env["UV_FIND_LINKS"] = links

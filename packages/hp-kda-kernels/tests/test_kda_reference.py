@@ -7,6 +7,9 @@ import pytest
 import torch
 from _kda_testutil import kda_inputs, max_rel_err
 
+# fla-core is part of the test extra: if it is missing the test must fail, not skip
+from fla.ops.kda.naive import naive_recurrent_kda as fla_naive
+
 from hyper_parallel.kda import (
     chunk,
     chunk_kda,
@@ -14,8 +17,6 @@ from hyper_parallel.kda import (
     naive_state_summary,
     state_summary,
 )
-
-fla_naive = pytest.importorskip("fla.ops.kda.naive").naive_recurrent_kda
 
 
 @pytest.fixture(params=["one_reference", "subchunked"])

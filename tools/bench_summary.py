@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Combine every package's benchmark records into one summary.
+
+    python tools/bench_summary.py bench-results
+
+Reads ``DIR/*.json`` (each a JSON list of records written by
+``hyper_parallel.dtensor.benchmarking.write_records``: ``name``, ``ours_s``, ``baseline_s``,
+``ratio``, ``peak_mem_ours``, ``peak_mem_baseline``, ...; a single record object is accepted
+too) and writes
+
+- ``DIR/summary.json``: ``{"records": [...], "sources": {...}}``, each record tagged with the
+  file (package) it came from;
+- ``DIR/summary.md``: one markdown table (ours vs baseline, ratio, peak memory);
+- ``DIR/summary.png``: a horizontal bar chart of the ratios (ours / baseline, < 1 is faster)
+  with a line at 1.0.
+
+Needs matplotlib for the chart (``nox -s bench`` installs it); without it the script stops
+with a clear message before writing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+OUTPUTS = ("summary.json", "summary.md", "summary.png")
+REQUIRED = ("name", "ours_s", "baseline_s")
+
+
+def load_records(directory: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    records: list[dict[str, Any]] = []
+    sources: dict[str, int] = {}
+    for path in sorted(directory.glob("*.json")):
+        if path.name in OUTPUTS:
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"bench_summary: {path} is not valid JSON: {exc}") from None
+        items = data if isinstance(data, list) else [data]
+        for i, rec in enumerate(items):
+            missing = [k for k in REQUIRED if not isinstance(rec, dict) or k not in rec]
+            if missing:
+                raise SystemExit(f"bench_summary: {path} record {i} lacks {missing}")
+            rec = dict(rec)
+            if not isinstance(rec.get("ratio"), int | float):
+                b = rec["baseline_s"]
+                rec["ratio"] = rec["ours_s"] / b if b else math.nan
+            rec["source"] = path.stem
+            records.append(rec)
+        sources[path.stem] = len(items)
+    return records, sources
+
+
+def _ms(seconds: Any) -> str:
+    return f"{seconds * 1e3:.2f}" if isinstance(seconds, int | float) else "-"
+
+
+def _mib(n: Any) -> str:
+    return f"{n / 2**20:.1f}" if isinstance(n, int | float) else "-"
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    lines = [
+        "| package | comparison | ours (ms) | baseline (ms) | ratio (ours / baseline) "
+        "| peak mem ours / baseline (MiB) | device | ranks |",
+        "|---|---|---:|---:|---:|---|---|---:|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['source']} | `{r['name']}` | {_ms(r['ours_s'])} | {_ms(r['baseline_s'])} "
+            f"| {r['ratio']:.3f}x | {_mib(r.get('peak_mem_ours'))} / "
+            f"{_mib(r.get('peak_mem_baseline'))} | {r.get('device', '-')} "
+            f"| {r.get('world_size', '-')} |"
+        )
+    return (
+        "# Benchmark summary\n\nratio < 1: ours is faster than the baseline (median of "
+        "interleaved repetitions, one run).\n\n" + "\n".join(lines) + "\n"
+    )
+
+
+def chart(records: list[dict[str, Any]], path: Path, plt: Any) -> None:
+    labels = [f"{r['source']}: {r['name']}" for r in records]
+    ratios = [r["ratio"] if math.isfinite(r["ratio"]) else 0.0 for r in records]
+    height = max(2.5, 0.35 * len(records) + 1.2)
+    fig, ax = plt.subplots(figsize=(10, height))
+    sources = sorted({r["source"] for r in records})
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = [palette[sources.index(r["source"]) % len(palette)] for r in records]
+    y = list(range(len(records)))[::-1]
+    ax.barh(y, ratios, color=colors)
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_xlabel("time ratio, ours / baseline (< 1: ours faster)")
+    for yi, value in zip(y, ratios):
+        ax.text(value, yi, f" {value:.2f}x", va="center", fontsize=7)
+    ax.set_title("hyper-parallel layers: benchmark ratios")
+    ax.set_xlim(0, max([1.2, *ratios]) * 1.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    directory = Path(argv[0])
+    if not directory.is_dir():
+        print(f"bench_summary: {directory} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "bench_summary: matplotlib is required for summary.png "
+            "(pip install matplotlib, or run `nox -s bench`)",
+            file=sys.stderr,
+        )
+        return 1
+    records, sources = load_records(directory)
+    if not records:
+        print(f"bench_summary: no benchmark records (*.json) in {directory}", file=sys.stderr)
+        return 1
+    (directory / "summary.json").write_text(
+        json.dumps({"records": records, "sources": sources}, indent=2) + "\n"
+    )
+    md = markdown(records)
+    (directory / "summary.md").write_text(md)
+    chart(records, directory / "summary.png", plt)
+    print(md)
+    for name in OUTPUTS:
+        print(f"wrote {directory / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
