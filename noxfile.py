@@ -132,9 +132,16 @@ def pins(session: nox.Session) -> None:
     shutil.rmtree(wheelhouse, ignore_errors=True)
     wheelhouse.mkdir(parents=True)
     _install(session, "hatch", "pip")
+    # hatch keeps its build environments in a data dir of its own: a private one per run
+    # means a stale or half-made environment from elsewhere can never be picked up
+    hatch_data = ROOT / ".nox" / "hatch-data"
+    shutil.rmtree(hatch_data, ignore_errors=True)
     for dist in _packages():
         with session.chdir(PACKAGES_DIR / dist):
-            session.run("hatch", "build", "-t", "wheel", str(wheelhouse), env=_env(), silent=True)
+            session.run("hatch", "build", "-t", "wheel", str(wheelhouse), silent=True,
+                        env={**_env(), "HATCH_DATA_DIR": str(hatch_data),
+                             # nox points uv at this venv; hatch must target its own
+                             "UV_PYTHON": None, "UV_PROJECT_ENVIRONMENT": None})  # fmt: skip
     wheels = sorted(str(w) for w in wheelhouse.glob("*.whl"))
     session.run("python", str(ROOT / "tools" / "check_wheels.py"), *wheels)
     # third-party requirements (torch and its own dependencies) join the wheelhouse first,
