@@ -9,7 +9,8 @@
     nox -s lint                 ruff, mypy, sibling pins, namespace guard
     nox -s pins                 build every wheel with hatch, install offline from that
                                 wheelhouse, pip check
-    nox -s bench [-- hp-mc2 ...]  benchmarks (all packages, or the ones named)
+    nox -s bench [-- hp-mc2 ... --quick]  benchmarks (all packages, or the ones named);
+                                writes bench-results/ and docs/benchmarks.{md,png}
     nox -s demo [-- args]       the main job (examples/train_hybrid.py)
 
 torch: CI pins it through ``constraints.txt`` (torch==2.13.0, the CPU wheel). On NPU or CUDA
@@ -163,8 +164,10 @@ def pins(session: nox.Session) -> None:
 
 @nox.session(venv_params=_venv_params())
 def bench(session: nox.Session) -> None:
-    """Every package's benchmark (or those named after --), one combined JSON and a chart."""
-    chosen = session.posargs or _packages()
+    """Every package's benchmark (or those named after --; ``--quick`` for small shapes), one
+    combined JSON, a markdown table and a chart; the latest summary is copied to docs/."""
+    quick = [a for a in session.posargs if a == "--quick"]
+    chosen = [a for a in session.posargs if a != "--quick"] or _packages()
     unknown = sorted(set(chosen) - set(_packages()))
     if unknown:
         session.error(f"unknown package(s) {unknown}; choose from {_packages()}")
@@ -173,12 +176,16 @@ def bench(session: nox.Session) -> None:
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
     for dist in chosen:
-        scripts = sorted((PACKAGES_DIR / dist / "benchmarks").glob("bench_*.py"))
-        for script in scripts:
-            target = out / f"{dist}.json"
-            target.unlink(missing_ok=True)
-            session.run("python", str(script), "--out", str(target), env=_env())
+        target = out / f"{dist}.json"
+        target.unlink(missing_ok=True)
+        for script in sorted((PACKAGES_DIR / dist / "benchmarks").glob("bench_*.py")):
+            session.run("python", str(script), "--out", str(target), *quick, env=_env())
     session.run("python", str(ROOT / "tools" / "bench_summary.py"), str(out), env=_env())
+    docs = ROOT / "docs"
+    docs.mkdir(exist_ok=True)
+    shutil.copy(out / "summary.md", docs / "benchmarks.md")
+    shutil.copy(out / "summary.png", docs / "benchmarks.png")
+    session.log(f"latest summary: {docs / 'benchmarks.md'} and {docs / 'benchmarks.png'}")
 
 
 @nox.session(venv_params=_venv_params())
