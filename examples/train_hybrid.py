@@ -381,10 +381,12 @@ def _write_parallel_results(
     rows = []
     for name in [*names, "grad sync", "other"]:
         recv = [int(s["bytes"].get(name, 0)) for s in per_rank]
-        fwd = [s["time"].get(f"{name}|forward", 0.0) for s in per_rank]
-        bwd = [s["time"].get(f"{name}|backward", 0.0) for s in per_rank]
-        rows.append({"layer": name, "recv_bytes_per_rank": recv, "fwd_s": max(fwd),
-                     "bwd_s": max(bwd)})  # fmt: skip
+        # phases that are not timed (gradient sync, the rest) report None, not zero
+        fwd = [s["time"][f"{name}|forward"] for s in per_rank if f"{name}|forward" in s["time"]]
+        bwd = [s["time"][f"{name}|backward"] for s in per_rank if f"{name}|backward" in s["time"]]
+        rows.append({"layer": name, "recv_bytes_per_rank": recv,
+                     "fwd_s": max(fwd) if fwd else None,
+                     "bwd_s": max(bwd) if bwd else None})  # fmt: skip
     record = {
         "mesh": {"tp": args.tp, "cp": args.cp},
         "losses": losses,
@@ -494,10 +496,12 @@ def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float
         if kind in ("kda", "mla") and mesh["tp"] > 1:
             par += " + tp gather"
         recv = row["recv_bytes_per_rank"]
-        fwd, bwd = row["fwd_s"] * 1e3, row["bwd_s"] * 1e3
+        fwd, bwd = (
+            f"{row[k] * 1e3:.1f}" if row[k] is not None else "-" for k in ("fwd_s", "bwd_s")
+        )
         print(
             f"{row['layer']:<12} {par:<42} {_fmt_bytes(max(recv)):>16} "
-            f"{_fmt_bytes(sum(recv)):>12} {fwd:>8.1f} {bwd:>8.1f}"
+            f"{_fmt_bytes(sum(recv)):>12} {fwd:>8} {bwd:>8}"
         )
     print(f"median step: parallel {parallel_s * 1e3:.0f} ms, serial {serial_s * 1e3:.0f} ms")
 
