@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 from typing import Any
 
 import torch
@@ -32,8 +31,8 @@ from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
     bench_record,
     interleaved_timing,
-    launched_by_torchrun,
     peak_memory_bytes,
+    run_ranks,
     summary_line,
     write_records,
 )
@@ -169,25 +168,8 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg, out = _config(argv)
-    if launched_by_torchrun():
-        device = torch.device(cfg["device"])
-        if device.type == "npu":
-            import torch_npu  # noqa: F401  (registers the npu device and HCCL)
-        if device.type != "cpu":
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            getattr(torch, device.type).set_device(local)
-            cfg["device"] = f"{device.type}:{local}"
-        backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type]
-        dist.init_process_group(backend)
-        records = _body(cfg)
-        rank = dist.get_rank()
-        dist.destroy_process_group()
-    else:
-        from hyper_parallel.dtensor.testing import run_distributed
-
-        records = run_distributed(_body, 2, cfg, timeout=600.0)[0]
-        rank = 0
-    if rank == 0:
+    records = run_ranks(_body, cfg, world_size=2, timeout=600.0)
+    if records is not None:  # rank 0 (or the launching process) reports
         write_records(out, records)
         for record in records:
             print(

@@ -20,7 +20,6 @@ launched ranks and the device's backend. Rank 0 writes the records.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +32,7 @@ from hyper_parallel.dtensor.benchmarking import (
     interleaved_timing,
     launched_by_torchrun,
     peak_memory_bytes,
+    run_ranks,
     summary_line,
     write_records,
 )
@@ -301,32 +301,28 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     return cfg, a.out
 
 
+def _torchrun_body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """One torchrun rank: the exchange and layer comparisons, kernel timings on CUDA, and the
+    single-process summary comparison on rank 0."""
+    records = _ranks_body(cfg)
+    device = torch.device(cfg["device"])
+    if device.type == "cuda":
+        records += bench_kernels(cfg, device)
+    if dist.get_rank() == 0:
+        records += bench_summary(cfg)
+    return records
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg, out = _config(argv)
+    records: list[dict[str, Any]] | None
     if launched_by_torchrun():
-        device = torch.device(cfg["device"])
-        if device.type == "npu":
-            import torch_npu  # noqa: F401  (registers the npu device and HCCL)
-        if device.type != "cpu":
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            getattr(torch, device.type).set_device(local)
-            cfg["device"] = f"{device.type}:{local}"
-        dist.init_process_group({"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type])
-        records = _ranks_body(cfg)
-        if device.type == "cuda":
-            records += bench_kernels(cfg, device)
-        rank = dist.get_rank()
-        if rank == 0:
-            records += bench_summary(cfg)
-        dist.destroy_process_group()
+        records = run_ranks(_torchrun_body, cfg)
     else:
-        from hyper_parallel.dtensor.testing import run_distributed
-
         records = bench_summary(cfg)
         for P in (2, 4):
-            records += run_distributed(_ranks_body, P, cfg, timeout=900.0)[0]
-        rank = 0
-    if rank == 0:
+            records += run_ranks(_ranks_body, cfg, world_size=P, timeout=900.0) or []
+    if records is not None:
         write_records(out, records)
         for record in records:
             line = summary_line(record)

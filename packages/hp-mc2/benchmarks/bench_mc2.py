@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import weakref
 from typing import Any
 
 import torch
@@ -23,14 +21,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
     bench_record,
     interleaved_timing,
-    launched_by_torchrun,
     peak_memory_bytes,
+    run_ranks,
     summary_line,
     write_records,
 )
@@ -101,7 +98,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
     cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
     times = interleaved_timing(cases, repeats=cfg["repeats"], warmup=cfg["warmup"], device=device)
-    mem = {name: _peak_memory(fn, device) for name, fn in cases.items()}
+    mem = {name: peak_memory_bytes(fn, device) for name, fn in cases.items()}
     shapes = {
         "tokens": tokens,
         "hidden": hidden,
@@ -133,64 +130,6 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _plain_tensors(t: Any) -> list[torch.Tensor]:
-    """The plain tensors holding ``t``'s data: itself, or a wrapper subclass's inner tensors
-    (a DTensor's local shard, an async collective tensor's buffer)."""
-    if type(t) is torch.Tensor:
-        return [t]
-    if isinstance(t, torch.Tensor) and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return [p for n in names for p in _plain_tensors(getattr(t, n))]
-    return []
-
-
-class _PlainStorageTracker(TorchDispatchMode):
-    """Peak bytes of plain-tensor storages alive at once while active. A wrapper subclass
-    (DTensor, async collective tensor) owns no storage: its inner tensors are counted instead.
-    Temporaries created and freed inside a subclass's own dispatch are not seen."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if key in self._seen or nbytes == 0:
-            return
-        self._seen.add(key)
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-
-        def release(key: int = key, nbytes: int = nbytes) -> None:
-            self._seen.discard(key)
-            self.live -= nbytes
-
-        weakref.finalize(t, release)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for leaf in torch.utils._pytree.tree_leaves(out):
-            for t in _plain_tensors(leaf):
-                if not t._is_view():
-                    self._track(t)
-        return out
-
-
-def _peak_memory(fn: Any, device: torch.device) -> int | None:
-    try:
-        return peak_memory_bytes(fn, device)
-    except RuntimeError:
-        # hp-dtensor 0.1's CPU tracker trips over DTensor wrappers; count plain tensors only.
-        if device.type != "cpu":
-            raise
-        tracker = _PlainStorageTracker()
-        with tracker:
-            fn()
-        return tracker.peak
-
-
 def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON file the records are appended to")
@@ -217,25 +156,8 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg, out = _config(argv)
-    if launched_by_torchrun():
-        device = torch.device(cfg["device"])
-        if device.type == "npu":
-            import torch_npu  # noqa: F401  (registers the npu device and HCCL)
-        if device.type != "cpu":
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            getattr(torch, device.type).set_device(local)
-            cfg["device"] = f"{device.type}:{local}"
-        backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type]
-        dist.init_process_group(backend)
-        records = _body(cfg)
-        rank = dist.get_rank()
-        dist.destroy_process_group()
-    else:
-        from hyper_parallel.dtensor.testing import run_distributed
-
-        records = run_distributed(_body, 2, cfg, timeout=600.0)[0]
-        rank = 0
-    if rank == 0:
+    records = run_ranks(_body, cfg, world_size=2, timeout=600.0)
+    if records is not None:  # rank 0 (or the launching process) reports
         write_records(out, records)
         for record in records:
             print(summary_line(record))

@@ -31,6 +31,8 @@ __all__ = [
     "interleaved_timing",
     "launched_by_torchrun",
     "peak_memory_bytes",
+    "run_ranks",
+    "setup_torchrun_process",
     "summary_line",
     "synchronize",
     "write_records",
@@ -40,6 +42,50 @@ __all__ = [
 def launched_by_torchrun() -> bool:
     """True when this process was started by torchrun (which sets TORCHELASTIC_RUN_ID)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def setup_torchrun_process(device: str) -> str:
+    """In a torchrun worker: load torch_npu for ``"npu"``, bind this rank to its local card
+    and initialise the process group with the device's backend (gloo / NCCL / HCCL).
+    Returns the rank's device string (``"cuda:1"``, or ``"cpu"``)."""
+    kind = torch.device(device).type
+    if kind not in _BACKENDS:
+        raise ValueError(f"device must be one of {sorted(_BACKENDS)}, got {device!r}")
+    if kind == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device and HCCL)
+    if kind != "cpu":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        getattr(torch, kind).set_device(local)
+        device = f"{kind}:{local}"
+    dist.init_process_group(_BACKENDS[kind])
+    return device
+
+
+def run_ranks(
+    body: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    cfg: dict[str, Any],
+    *,
+    world_size: int = 2,
+    timeout: float = 600.0,
+) -> list[dict[str, Any]] | None:
+    """Run a benchmark ``body(cfg) -> records`` on every rank and return rank 0's records.
+
+    Under torchrun the current process is one rank (``cfg["device"]`` becomes its card) and
+    non-zero ranks get ``None``; started plainly, ``world_size`` local gloo ranks are spawned
+    with :func:`hyper_parallel.dtensor.testing.run_distributed`."""
+    if launched_by_torchrun():
+        cfg = {**cfg, "device": setup_torchrun_process(str(cfg.get("device", "cpu")))}
+        try:
+            records = body(cfg)
+            return records if dist.get_rank() == 0 else None
+        finally:
+            dist.destroy_process_group()
+    from hyper_parallel.dtensor.testing import run_distributed
+
+    return run_distributed(body, world_size, cfg, timeout=timeout)[0]
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
@@ -110,12 +156,22 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            # Wrapper subclasses (DTensor) own no storage; their inner tensors come from
-            # ops that pass through this mode themselves and are counted there.
-            if type(t) is torch.Tensor and not t._is_view():
-                self._track(t)
+        for leaf in torch.utils._pytree.tree_leaves(out):
+            for t in _plain_tensors(leaf):
+                if not t._is_view():
+                    self._track(t)
         return out
+
+
+def _plain_tensors(t: Any) -> list[torch.Tensor]:
+    """The storage-owning tensors behind ``t``: itself, or a wrapper subclass's (DTensor's)
+    inner tensors. Temporaries made and freed inside a subclass's own dispatch are not seen."""
+    if type(t) is torch.Tensor:
+        return [t]
+    if isinstance(t, torch.Tensor) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [p for n in names for p in _plain_tensors(getattr(t, n))]
+    return []
 
 
 def peak_memory_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> int:
