@@ -15,7 +15,7 @@ from hyper_parallel.dtensor import (
 )
 from hyper_parallel.dtensor import groups as hp_groups
 from hyper_parallel.dtensor.mesh import native_path_available, use_fallback
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor.testing import free_port, run_distributed
 
 TIMEOUT = 60
 
@@ -253,3 +253,23 @@ def _dtensor_on_unflattened(fallback):
 def test_dtensor_works_on_unflattened_mesh(fallback):
     for same, shape in run_distributed(_dtensor_on_unflattened, 4, fallback, timeout=TIMEOUT):
         assert same and shape == (2, 2)
+
+
+def _reinit_world():
+    first = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    old_group = unflatten(first, "a", (2,), ("a2",)).get_group("b")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    port = [free_port() if rank == 0 else 0]
+    dist.broadcast_object_list(port, src=0)  # a fresh rendezvous for the second world
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=rank, world_size=world
+    )
+    second = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    new_group = second.get_group("b")
+    return second is not first, new_group is not old_group, _sum_over(new_group)
+
+
+def test_meshes_and_groups_are_rebuilt_after_a_new_world():
+    for r in run_distributed(_reinit_world, 4, timeout=TIMEOUT):
+        assert r == (True, True, 2)

@@ -19,7 +19,6 @@ launched ranks and the device's backend. Rank 0 writes the records.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
+    bench_arguments,
     bench_record,
     interleaved_timing,
     launched_by_torchrun,
@@ -288,10 +288,7 @@ def _ranks_body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file the records are appended to")
-    p.add_argument("--quick", action="store_true", help="small shapes, few repeats (< 1 min)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    p = bench_arguments(__doc__)
     a = p.parse_args(argv)
     if a.quick:
         cfg = dict(summary_T=256, summary_H=2, heads=8, layer_T=512, layer_H=1, repeats=3)

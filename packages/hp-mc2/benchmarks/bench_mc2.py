@@ -12,7 +12,6 @@ ranks and the device's own backend (NCCL on CUDA, HCCL on NPU). Rank 0 writes th
 
 from __future__ import annotations
 
-import argparse
 import copy
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
+    bench_arguments,
     bench_record,
     interleaved_timing,
     peak_memory_bytes,
@@ -131,10 +131,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file the records are appended to")
-    p.add_argument("--quick", action="store_true", help="small shapes, few repeats (< 1 min)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    p = bench_arguments(__doc__)
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)

@@ -13,6 +13,7 @@ Timing is never used in a pass/fail test.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "bench_arguments",
     "bench_record",
     "interleaved_timing",
     "launched_by_torchrun",
@@ -45,6 +47,17 @@ def launched_by_torchrun() -> bool:
 
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def bench_arguments(description: str | None) -> argparse.ArgumentParser:
+    """The command line every benchmark script shares (``nox -s bench`` relies on it):
+    ``--out PATH`` (JSON records are appended), ``--quick`` (small shapes, under a minute)
+    and ``--device cpu|cuda|npu``. Scripts add their own shape options."""
+    p = argparse.ArgumentParser(description=(description or "").strip().splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file the records are appended to")
+    p.add_argument("--quick", action="store_true", help="small shapes, few repeats (< 1 min)")
+    p.add_argument("--device", default="cpu", choices=sorted(_BACKENDS))
+    return p
 
 
 def setup_torchrun_process(device: str) -> str:

@@ -17,32 +17,32 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["cache_size", "clear_cache", "group_for", "groups_created", "register_groups"]
+__all__ = ["group_for", "groups_created", "register_groups"]
 
 _Key = tuple[tuple[int, ...], str | None]
 # value: the group if this process is a member, else None (created, but not ours)
 _CACHE: dict[_Key, ProcessGroup | None] = {}
 _CREATED = 0
+# the default group the cache belongs to: after destroy_process_group and a new
+# init_process_group, groups of the old world are never handed out
+_WORLD: object = None
+
+
+def _check_world() -> None:
+    global _WORLD
+    if _WORLD is not dist.group.WORLD:
+        _CACHE.clear()
+        _WORLD = dist.group.WORLD
 
 
 def _key(ranks: Sequence[int], backend: str | None) -> _Key:
+    _check_world()
     return (tuple(sorted(int(r) for r in ranks)), backend)
 
 
 def groups_created() -> int:
     """How many process groups this cache has created in this process."""
     return _CREATED
-
-
-def cache_size() -> int:
-    return len(_CACHE)
-
-
-def clear_cache() -> None:
-    """Forget every cached group (call after ``destroy_process_group``)."""
-    global _CREATED
-    _CACHE.clear()
-    _CREATED = 0
 
 
 def register_groups(

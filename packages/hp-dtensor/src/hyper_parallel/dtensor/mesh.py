@@ -206,7 +206,7 @@ def init_device_mesh(
     world = dist.get_world_size()
     if math.prod(shape) != world:
         raise ValueError(f"mesh shape {shape} has {math.prod(shape)} ranks, world size is {world}")
-    key = (device_type, shape, names, id(dist.group.WORLD))
+    key = (device_type, shape, names, dist.group.WORLD)  # a new world: new meshes
     if key in _INIT_CACHE:
         return _INIT_CACHE[key]
     layout = Layout.root(shape)
