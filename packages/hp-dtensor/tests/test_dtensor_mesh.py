@@ -259,11 +259,11 @@ def _reinit_world():
     first = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     old_group = unflatten(first, "a", (2,), ("a2",)).get_group("b")
     rank, world = dist.get_rank(), dist.get_world_size()
-    port = [free_port() if rank == 0 else 0]
-    dist.broadcast_object_list(port, src=0)  # a fresh rendezvous for the second world
+    port = torch.tensor([free_port() if rank == 0 else 0])
+    dist.broadcast(port, src=0)  # a fresh rendezvous for the second world
     dist.destroy_process_group()
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=rank, world_size=world
+        "gloo", init_method=f"tcp://127.0.0.1:{int(port.item())}", rank=rank, world_size=world
     )
     second = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     new_group = second.get_group("b")
