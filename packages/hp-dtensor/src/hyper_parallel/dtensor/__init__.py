@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from hyper_parallel.dtensor._version import __version__
+from hyper_parallel.dtensor.collectives import all_gather_single, reduce_scatter_single
 from hyper_parallel.dtensor.mesh import (
     check_rank_order,
     flatten,
@@ -26,11 +27,13 @@ __all__ = [
     "Replicate",
     "Shard",
     "__version__",
+    "all_gather_single",
     "check_rank_order",
     "distribute_tensor",
     "flatten",
     "init_device_mesh",
     "rank_list",
+    "reduce_scatter_single",
     "root_mesh",
     "unflatten",
 ]
