@@ -21,7 +21,6 @@ venvs then see the interpreter's site-packages and no second torch is installed.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -29,6 +28,9 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
+sys.path.insert(0, str(ROOT / "tools"))
+import _packages as pkgs  # noqa: E402  (the package list, from packages/*/pyproject.toml)
+
 PACKAGES_DIR = ROOT / "packages"
 CONSTRAINTS = ROOT / "constraints.txt"
 SYSTEM_TORCH = os.environ.get("HP_USE_SYSTEM_TORCH", "") not in ("", "0")
@@ -42,15 +44,12 @@ nox.options.default_venv_backend = "venv" if SYSTEM_TORCH else "uv|venv"
 
 
 def _packages() -> list[str]:
-    return sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").exists())
+    return [p.dist for p in pkgs.packages()]
 
 
 def _siblings(dist: str) -> list[str]:
     """hp-* distributions that ``dist`` declares as runtime requirements."""
-    text = (PACKAGES_DIR / dist / "pyproject.toml").read_text()
-    deps = re.search(r"^dependencies\s*=\s*\[(.*?)\]", text, re.S | re.M)
-    names = re.findall(r'"(hp-[a-z0-9-]+)', deps.group(1)) if deps else []
-    return [n for n in names if n != dist]
+    return list(pkgs.by_dist()[dist].deps)
 
 
 def _env() -> dict[str, str]:
@@ -103,7 +102,8 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session(venv_params=_venv_params())
 def integration(session: nox.Session) -> None:
-    """All four layers in one model (tests/integration); HCCL/NCCL where the hardware is."""
+    """All packages together (tests/integration, tests/integration/test_main_job.py: the main
+    job's failure paths); HCCL/NCCL where the hardware is."""
     _install_packages(session, _packages())
     _install(session, "-r", str(ROOT / "tests" / "integration" / "requirements.txt"))
     session.run(
@@ -113,16 +113,15 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(venv_params=_venv_params())
 def lint(session: nox.Session) -> None:
-    """ruff, mypy on every package's sources, sibling-pin consistency, namespace guard."""
-    _install(session, "ruff>=0.6", "mypy>=1.10")
+    """ruff, mypy on every package's sources, import-linter layering contracts (pyproject.toml),
+    sibling-pin consistency, namespace guard, no references outside the repository."""
+    _install(session, "ruff>=0.6", "mypy>=1.10", "import-linter>=2.1")
     _install_packages(session, _packages(), extra="test")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    layers = {"hp-dtensor": "dtensor", "hp-mc2": "mc2", "hp-context-parallel": "context_parallel",
-              "hp-kda-kernels": "kda"}  # fmt: skip
-    for dist in _packages():
-        src = PACKAGES_DIR / dist / "src"
-        session.run("mypy", "-p", f"hyper_parallel.{layers[dist]}", env={"MYPYPATH": str(src)})
+    for pkg in pkgs.packages():
+        session.run("mypy", "-p", pkg.module, env={"MYPYPATH": str(pkg.src)})
+    session.run("lint-imports", "--no-cache")
     session.run("python", str(ROOT / "tools" / "check_repo.py"))
 
 
@@ -157,9 +156,8 @@ def pins(session: nox.Session) -> None:
                 *[Path(w).name.split("-")[0].replace("_", "-") for w in wheels],
                 external=True, env={"PIP_CONSTRAINT": "", "PIP_FIND_LINKS": ""})  # fmt: skip
     session.run(py, "-m", "pip", "check", external=True)
-    session.run(py, "-c", "import hyper_parallel.dtensor, hyper_parallel.mc2, "
-                "hyper_parallel.context_parallel, hyper_parallel.kda; print('all layers import')",
-                external=True)  # fmt: skip
+    modules = ", ".join(p.module for p in pkgs.packages())
+    session.run(py, "-c", f"import {modules}; print('every package imports')", external=True)
 
 
 @nox.session(venv_params=_venv_params())

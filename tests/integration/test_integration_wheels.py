@@ -1,5 +1,6 @@
-"""The four packages built as wheels and installed together into a fresh venv are consistent:
-``pip check`` passes and every layer imports from the installed wheels.
+"""Every package built as a wheel and installed together into a fresh venv is consistent:
+``pip check`` passes and every package imports from the installed wheels. The package list is
+read from ``packages/*/pyproject.toml`` (tools/_packages.py).
 
 The venv sees the running interpreter's torch (and its dependencies) through a ``.pth`` file
 pointing at a filtered copy of torch's ``site-packages`` (symlinks to everything except the
@@ -21,12 +22,15 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-DISTS = ["hp-dtensor", "hp-mc2", "hp-context-parallel", "hp-kda-kernels"]
-LAYERS = ["dtensor", "mc2", "context_parallel", "kda"]
+sys.path.insert(0, str(ROOT / "tools"))
+import _packages as pkgs  # noqa: E402
+
+DISTS = [p.dist for p in pkgs.packages()]
+MODULES = [p.module for p in pkgs.packages()]
 
 
-def _run(cmd: list[str], **kwargs) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+def _run(cmd: list[str], timeout: float = 240, **kwargs) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     )
@@ -80,8 +84,8 @@ def test_integration_wheels_install_together_and_pip_check_passes(tmp_path):
     _run([str(py), "-m", "pip", "check"], env=env)
     where = _run(
         [str(py), "-c", "import importlib, torch\n"
-         f"for layer in {LAYERS!r}:\n"
-         "    m = importlib.import_module('hyper_parallel.' + layer)\n"
+         f"for name in {MODULES!r}:\n"
+         "    m = importlib.import_module(name)\n"
          "    print(m.__file__, m.__version__)\n"
          "print(torch.__version__)"],
         env=env, cwd=tmp_path,
