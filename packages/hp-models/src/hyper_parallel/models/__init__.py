@@ -1,0 +1,29 @@
+"""hyper_parallel.models: stock Hugging Face models parallelised in one call.
+
+``parallelize_model`` applies the four layers to a ``KimiLinearForCausalLM`` /
+``DeepseekV3ForCausalLM`` (or their base models) over a ``("cp", "tp")`` mesh: token mixers
+context-parallel over the flattened mesh (hp-context-parallel, hp-kda-kernels), dense MLPs
+tensor + sequence parallel over ``tp`` (hp-mc2). ``shard_batch`` cuts a batch into this rank's
+sequence block, ``gather_sequence`` puts a block-sharded tensor back together and
+``sync_gradients`` sums the gradients so they equal the serial model's.
+"""
+
+from hyper_parallel.models._version import __version__
+from hyper_parallel.models.batch import IGNORE_INDEX, gather_sequence, shard_batch
+from hyper_parallel.models.families import supported_classes
+from hyper_parallel.models.grads import sync_gradients
+from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
+from hyper_parallel.models.parallelize import ParallelPlan, parallelize_model
+
+__all__ = [
+    "IGNORE_INDEX",
+    "ParallelPlan",
+    "SequenceMesh",
+    "__version__",
+    "gather_sequence",
+    "parallelize_model",
+    "sequence_mesh",
+    "shard_batch",
+    "supported_classes",
+    "sync_gradients",
+]

@@ -1,0 +1,109 @@
+"""Cutting a batch into this rank's sequence block, and putting a sequence back together.
+
+``shard_batch`` runs on the full batch, which is identical on every rank, so every check it
+makes fails on every rank alike, before the model issues any collective.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hyper_parallel.dtensor import DeviceMesh, all_gather_single
+from hyper_parallel.models.mesh import check_mesh, sequence_mesh
+
+__all__ = ["IGNORE_INDEX", "gather_sequence", "shard_batch"]
+
+IGNORE_INDEX = -100
+"""Label value that takes no part in the loss (Hugging Face's convention)."""
+
+_KNOWN = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]:
+    """This rank's block of a full ``[B, T]`` batch, ready for ``model(**local)``.
+
+    ``batch`` must be the same on every rank: ``input_ids`` ``[B, T]`` (required),
+    optionally ``labels`` ``[B, T]`` (unshifted, Hugging Face's convention: position ``i``
+    predicts ``labels[:, i + 1]``), ``attention_mask`` ``[B, T]`` (all ones only: padding is
+    not supported under context parallelism) and ``position_ids`` ``[B, T]`` or ``[1, T]``
+    (default ``0..T-1``).
+
+    Returns, for the rank holding block ``b`` of ``P = cp·tp`` (``S = T/P``):
+    ``input_ids`` ``[B, S]`` = columns ``[b·S, (b+1)·S)``; ``position_ids`` ``[B, S]``, the
+    global positions of those tokens; and when labels are given, ``shift_labels`` ``[B, S]``,
+    the labels shifted by one on the FULL sequence before cutting (so the target of the last
+    token of a block is the first token of the next block; the very last token gets
+    ``IGNORE_INDEX``), plus ``labels`` (the same tensor; Hugging Face computes a loss only when
+    ``labels`` is given and then uses ``shift_labels`` as the targets).
+
+    ``ValueError`` (on every rank alike): missing or non-2-D ``input_ids``, shapes that differ,
+    ``T % (cp·tp) != 0``, an attention mask with zeros, unknown keys; plus the mesh checks.
+    """
+    check_mesh(mesh)
+    unknown = sorted(set(batch) - set(_KNOWN))
+    if unknown:
+        raise ValueError(f"shard_batch: unknown batch keys {unknown}; known: {list(_KNOWN)}")
+    ids = batch.get("input_ids")
+    if not isinstance(ids, Tensor) or ids.dim() != 2:
+        raise ValueError("shard_batch needs input_ids as a [B, T] tensor")
+    bsz, seq = ids.shape
+    p = mesh.size()
+    if seq % p:
+        raise ValueError(
+            f"sequence length T={seq} is not divisible by cp·tp = {mesh.size(0)}·"
+            f"{mesh.size(1)} = {p}; pad or cut the batch to a multiple of {p}"
+        )
+    for key in ("labels", "attention_mask"):
+        t = batch.get(key)
+        if t is not None and tuple(t.shape) != (bsz, seq):
+            raise ValueError(
+                f"shard_batch: {key} has shape {tuple(t.shape)}, expected {(bsz, seq)}"
+            )
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool((mask != 0).all()):
+        raise ValueError(
+            "shard_batch: the attention mask pads some tokens; padding is not supported under "
+            "context parallelism (pack or cut the sequences to full length instead)"
+        )
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(seq, device=ids.device).unsqueeze(0)
+    if pos.dim() != 2 or pos.shape[1] != seq or pos.shape[0] not in (1, bsz):
+        raise ValueError(
+            f"shard_batch: position_ids must be [B, T] or [1, T], got {tuple(pos.shape)}"
+        )
+
+    block = sequence_mesh(mesh).block
+    s = seq // p
+    cols = slice(block * s, (block + 1) * s)
+    local: dict[str, Tensor] = {
+        "input_ids": ids[:, cols].contiguous(),
+        "position_ids": pos.expand(bsz, seq)[:, cols].contiguous(),
+    }
+    labels = batch.get("labels")
+    if labels is not None:
+        shifted = torch.full_like(labels, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+        local["shift_labels"] = shifted[:, cols].contiguous()
+        local["labels"] = local["shift_labels"]
+    return local
+
+
+def gather_sequence(x: Tensor, mesh: DeviceMesh, seq_dim: int = 1) -> Tensor:
+    """The full sequence from every rank's block, in block order, on every rank.
+
+    ``x`` is this rank's block ``[..., S, ...]`` (``S`` at ``seq_dim``), the same shape on every
+    rank; the result is ``[..., P·S, ...]``. For evaluation and checks (no autograd: the
+    result is detached)."""
+    sm = sequence_mesh(mesh)
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(f"seq_dim {seq_dim} out of range for a {x.dim()}-D tensor")
+    seq_dim %= x.dim()
+    x = x.detach()
+    if sm.size == 1:
+        return x.clone()
+    send = x.movedim(seq_dim, 0).contiguous()
+    out = send.new_empty((sm.size * send.shape[0], *send.shape[1:]))
+    all_gather_single(out, send, group=sm.flat.get_group())
+    return out.movedim(0, seq_dim)

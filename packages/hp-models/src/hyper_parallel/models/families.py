@@ -1,0 +1,102 @@
+"""The model families hp-models knows, recognised by class name (transformers is never imported
+here, so a fork that keeps the class names and attributes is recognised too).
+
+A family says where the decoder layers are and which submodule of a layer is which kind of
+block: an MLA attention (context-parallel through hp-context-parallel), a KDA layer
+(context-parallel through hp-kda-kernels), a dense gated MLP (tensor + sequence parallel
+through hp-mc2) or an MoE block (local, replicated parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["FAMILIES", "BlockKinds", "ModelFamily", "family_of", "supported_classes"]
+
+
+@dataclass(frozen=True)
+class BlockKinds:
+    """Class names of one family's blocks, by role."""
+
+    mla: tuple[str, ...]
+    kda: tuple[str, ...]
+    dense_mlp: tuple[str, ...]
+    moe: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """``causal_lm`` wraps ``base`` as ``.model`` and adds ``lm_head``; ``base`` holds
+    ``embed_tokens``, ``layers`` (each with ``self_attn`` and ``mlp``) and ``norm``."""
+
+    name: str
+    causal_lm: str
+    base: str
+    blocks: BlockKinds
+
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="kimi-linear",
+        causal_lm="KimiLinearForCausalLM",
+        base="KimiLinearModel",
+        blocks=BlockKinds(
+            mla=("KimiLinearAttention",),
+            kda=("KimiLinearDeltaAttention",),
+            dense_mlp=("KimiLinearMLP",),
+            moe=("KimiLinearMoE",),
+        ),
+    ),
+    ModelFamily(
+        name="deepseek-v3",
+        causal_lm="DeepseekV3ForCausalLM",
+        base="DeepseekV3Model",
+        blocks=BlockKinds(
+            mla=("DeepseekV3Attention",),
+            kda=(),
+            dense_mlp=("DeepseekV3MLP",),
+            moe=("DeepseekV3MoE",),
+        ),
+    ),
+)
+
+
+def supported_classes() -> list[str]:
+    """Every model class :func:`~hyper_parallel.models.parallelize_model` accepts."""
+    return [c for f in FAMILIES for c in (f.causal_lm, f.base)]
+
+
+def _names(module: nn.Module) -> set[str]:
+    # a subclass of a stock class (a team's fork) is that class too
+    return {k.__name__ for k in type(module).__mro__}
+
+
+def family_of(model: nn.Module) -> tuple[ModelFamily, nn.Module]:
+    """``(family, base model)`` for a supported model; ``TypeError`` naming the supported
+    classes otherwise."""
+    names = _names(model)
+    for fam in FAMILIES:
+        if fam.causal_lm in names:
+            base = getattr(model, "model", None)
+            if base is not None and fam.base in _names(base):
+                return fam, base
+        if fam.base in names:
+            return fam, model
+    raise TypeError(
+        f"parallelize_model supports {', '.join(supported_classes())} (Hugging Face "
+        f"transformers, or forks keeping those class names); got {type(model).__name__}"
+    )
+
+
+def role_of(block: nn.Module, fam: ModelFamily) -> str:
+    """``"mla"``, ``"kda"``, ``"dense_mlp"`` or ``"moe"``; ``TypeError`` for anything else."""
+    names = _names(block)
+    for role in ("mla", "kda", "dense_mlp", "moe"):
+        if names & set(getattr(fam.blocks, role)):
+            return role
+    raise TypeError(
+        f"{fam.name}: block {type(block).__name__} is none of the known kinds "
+        f"{[c for r in ('mla', 'kda', 'dense_mlp', 'moe') for c in getattr(fam.blocks, r)]}"
+    )

@@ -1,0 +1,82 @@
+"""Summing every parameter gradient over the ranks that computed a share of it.
+
+After ``loss.backward()`` on a parallelised model each rank holds the gradient of its own
+tokens' share of the loss:
+
+- a parameter that is whole on every rank (embeddings, norms, attention and KDA weights, MoE
+  experts, the LM head) has a share on every rank of the (cp, tp) mesh: summed over all of them;
+- a tensor-parallel shard (a DTensor ``Shard`` placement over ``tp``, from hp-mc2) already holds
+  the sum over its ``tp`` group (the reduce-scatter/all-gather backward did it): summed over
+  ``cp``; a DTensor with a ``Replicate`` placement over ``tp`` holds a per-rank share: summed
+  over all ranks.
+
+Gradients are packed into one flat buffer per (group, dtype) and reduced with one
+``all_reduce`` each. Which parameters have a gradient may differ by rank (an MoE expert that no
+token of this rank's block was routed to): a flag vector is all-reduced first, so every rank
+sends the same buffers, and a parameter no rank touched keeps ``grad = None``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from hyper_parallel.models.mesh import SequenceMesh
+
+__all__ = ["sync_gradients"]
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _group_key(p: Tensor, sm: SequenceMesh) -> str:
+    if isinstance(p, DTensor) and not all(isinstance(pl, Replicate) for pl in p.placements):
+        return "cp"
+    return "world"
+
+
+def sync_gradients(model: nn.Module) -> None:
+    """Sum each parameter's gradient over the ranks that computed a share of it (see the
+    module docstring), in place, so that every gradient (``full_tensor()`` of a DTensor one)
+    equals the serial model's on the full batch. Call after ``backward()``, before the
+    optimizer step, on every rank. ``RuntimeError`` if ``model`` was not parallelised by
+    :func:`~hyper_parallel.models.parallelize_model`."""
+    plan = getattr(model, "_hp_models_plan", None)
+    if plan is None:
+        raise RuntimeError("sync_gradients needs a model parallelised by parallelize_model")
+    sm: SequenceMesh = plan.mesh
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    dev = _local(params[0]).device
+    if sm.size > 1:
+        has = has.to(dev)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=sm.flat.get_group())
+        has = has.cpu()
+    groups: dict[str, Any] = {"world": sm.flat.get_group(), "cp": sm.cp.get_group()}
+    sizes = {"world": sm.size, "cp": sm.cp.size()}
+    buckets: dict[tuple[str, torch.dtype, torch.device], list[Tensor]] = {}
+    for p, flag in zip(params, has.tolist()):
+        if not flag:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = _local(p.grad)
+        key = (_group_key(p, sm), g.dtype, g.device)
+        buckets.setdefault(key, []).append(g)
+    for (name, _, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        if sizes[name] == 1:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=groups[name])
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n

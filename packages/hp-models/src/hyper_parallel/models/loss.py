@@ -1,0 +1,96 @@
+"""The parallelised model's forward: checks, then the model's own forward, then the loss made
+global.
+
+Each rank computes Hugging Face's own causal-LM loss on its block with ``num_items_in_batch``
+set to the number of non-ignored targets of the WHOLE batch, so its loss is its share
+``ℓ_r = Σ_{i ∈ block r} CE_i / N``. The reported loss is ``Σ_r ℓ_r`` (an all-reduce), the serial
+loss on the full batch, identical on every rank; its backward sends gradient 1 to each rank's
+own share (not ``P``), so after :func:`~hyper_parallel.models.sync_gradients` sums the
+parameter gradients over ranks they equal the serial ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hyper_parallel.models.batch import IGNORE_INDEX
+from hyper_parallel.models.mesh import SequenceMesh
+
+__all__ = ["global_loss", "parallel_forward"]
+
+
+class _SumShares(torch.autograd.Function):
+    """``Σ_r x_r`` over the group in forward; identity in backward (each rank's ``x_r`` is
+    its own term of the sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def global_loss(share: Tensor, sm: SequenceMesh) -> Tensor:
+    """The global loss from this rank's share (see the module docstring)."""
+    if sm.size == 1:
+        return share
+    return _SumShares.apply(share, sm.flat.get_group())
+
+
+def _check_call(args: tuple[Any, ...], kwargs: dict[str, Any], has_loss: bool) -> None:
+    """Local, structural checks: the same inputs structure on every rank gives the same
+    verdict on every rank, before the model issues any collective."""
+    if args:
+        raise TypeError(
+            "a parallelised model takes its inputs by keyword (model(**shard_batch(batch, mesh)))"
+        )
+    if kwargs.get("use_cache"):
+        raise ValueError(
+            "use_cache=True is not supported on a parallelised model (training only: the KV "
+            "cache and the recurrent state are not split across ranks)"
+        )
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError("past_key_values is not supported on a parallelised model")
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError(
+            "attention_mask is not supported on a parallelised model: padding cannot be split "
+            "across ranks; shard_batch accepts an all-ones mask and drops it"
+        )
+    if has_loss and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError(
+            "labels need shift_labels: cut the batch with shard_batch, which shifts the labels "
+            "on the full sequence (a block's last target is the next block's first token)"
+        )
+
+
+def parallel_forward(
+    original: Callable[..., Any], sm: SequenceMesh, has_loss: bool, mask_override: Any
+) -> Callable[..., Any]:
+    """Wrap a model's bound ``forward`` (see the module docstring)."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        _check_call(args, kwargs, has_loss)
+        kwargs["use_cache"] = False
+        if mask_override is not None:
+            kwargs["attention_mask"] = mask_override()
+        targets = kwargs.get("shift_labels") if has_loss else None
+        if targets is not None and kwargs.get("labels") is not None:
+            count = (targets != IGNORE_INDEX).sum()  # int64: the loss keeps its dtype
+            if sm.size > 1:
+                dist.all_reduce(count, group=sm.flat.get_group())
+            kwargs["num_items_in_batch"] = count
+        out = original(**kwargs)
+        if getattr(out, "loss", None) is not None and targets is not None:
+            out.loss = global_loss(out.loss, sm)
+        return out
+
+    return forward

@@ -1,0 +1,142 @@
+"""``parallelize_model``: a stock Hugging Face model made tensor + sequence + context parallel
+from outside, in place, by applying the four layers' own entry points block by block.
+
+Plan for a decoder layer on the (cp, tp) mesh (see :mod:`hyper_parallel.models.mesh`):
+
+=====================  =========================================================  ==========
+block                  applied                                                    mesh
+=====================  =========================================================  ==========
+MLA attention          ``hyper_parallel.context_parallel.parallelize_mla``        ``flat``
+KDA layer              ``hyper_parallel.kda.parallelize_kda``                     ``flat``
+dense gated MLP        ``parallelize_module(mlp, tp, MC2GatedMLPParallel())``     ``tp``
+MoE block              nothing: runs on the local block, parameters replicated    -
+norms, embeddings,     nothing: per token, on the local block                     -
+LM head
+=====================  =========================================================  ==========
+
+Every rank computes a distinct share of every block: no mixer is run twice across ``tp``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
+
+from hyper_parallel.context_parallel import parallelize_mla
+from hyper_parallel.dtensor import DeviceMesh
+from hyper_parallel.kda import parallelize_kda
+from hyper_parallel.mc2 import MC2GatedMLPParallel
+from hyper_parallel.models.families import ModelFamily, family_of, role_of
+from hyper_parallel.models.loss import parallel_forward
+from hyper_parallel.models.mesh import SequenceMesh, check_mesh, sequence_mesh
+
+__all__ = ["ParallelPlan", "parallelize_model"]
+
+_MLA_STRATEGIES = ("expanded", "latent")
+_KDA_PROTOCOLS = ("auto", "p2p", "allgather", "grouped")
+
+
+@dataclass
+class ParallelPlan:
+    """What :func:`parallelize_model` did to a model (``model._hp_models_plan``)."""
+
+    family: str
+    mesh: SequenceMesh
+    roles: dict[str, str] = field(default_factory=dict)  # module path -> mla/kda/dense_mlp/moe
+
+
+def _layers(base: nn.Module) -> list[nn.Module]:
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(base).__name__} has no `layers` ModuleList")
+    return list(layers)
+
+
+def _heads(attn: nn.Module) -> int:
+    for name in ("num_heads", "num_attention_heads"):
+        if isinstance(getattr(attn, name, None), int):
+            return int(getattr(attn, name))
+    return int(attn.config.num_attention_heads)
+
+
+def _validate(
+    model: nn.Module, mesh: Any, mla_strategy: str, overlap: Any, kda_protocol: str
+) -> tuple[ModelFamily, nn.Module, dict[str, str]]:
+    """Every check, collective-free and identical on every rank."""
+    if getattr(model, "_hp_models_plan", None) is not None:
+        raise RuntimeError("parallelize_model was already applied to this model")
+    fam, base = family_of(model)
+    check_mesh(mesh)
+    if mla_strategy not in _MLA_STRATEGIES:
+        raise ValueError(f"mla_strategy must be one of {_MLA_STRATEGIES}, got {mla_strategy!r}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be a bool, got {overlap!r}")
+    if kda_protocol not in _KDA_PROTOCOLS:
+        raise ValueError(f"kda_protocol must be one of {_KDA_PROTOCOLS}, got {kda_protocol!r}")
+    p = mesh.size()
+    roles: dict[str, str] = {}
+    for i, layer in enumerate(_layers(base)):
+        attn_role = role_of(layer.self_attn, fam)
+        if attn_role == "mla" and _heads(layer.self_attn) % p:
+            raise ValueError(
+                f"layer {i}: {_heads(layer.self_attn)} attention heads are not divisible by "
+                f"cp·tp = {mesh.size(0)}·{mesh.size(1)} = {p} (each rank computes H/(cp·tp) heads)"
+            )
+        roles[f"layers.{i}.self_attn"] = attn_role
+        roles[f"layers.{i}.mlp"] = role_of(layer.mlp, fam)
+    return fam, base, roles
+
+
+def _mask_override(fam: ModelFamily) -> Callable[[], Any] | None:
+    # Kimi-Linear's model takes a ready {layer type: mask} mapping: no mask is needed under
+    # context parallelism (causal order is kept by the schedules), so none is built
+    if fam.name == "kimi-linear":
+        return lambda: {"full_attention": None, "linear_attention": None}
+    return None
+
+
+def parallelize_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mla_strategy: str = "latent",
+    overlap: bool = True,
+    kda_protocol: str = "auto",
+) -> nn.Module:
+    """Parallelise a stock ``KimiLinearForCausalLM``/``KimiLinearModel`` or
+    ``DeepseekV3ForCausalLM``/``DeepseekV3Model`` in place over the 2-D ``mesh`` with dims
+    ``("cp", "tp")`` (sizes may be 1) and return it.
+
+    Afterwards call it on this rank's block: ``model(**shard_batch(batch, mesh))`` with
+    ``input_ids`` ``[B, T/(cp·tp)]``; ``out.loss`` is the serial loss on the full batch, on
+    every rank; ``out.logits`` are this rank's block ``[B, T/(cp·tp), V]``. After
+    ``backward()``, :func:`~hyper_parallel.models.sync_gradients` makes every gradient equal the
+    serial one. The module tree, parameter objects and ``state_dict`` keys are kept (dense MLP
+    weights become DTensors sharded over ``tp``).
+
+    ``mla_strategy`` (``"latent"``/``"expanded"``) and ``overlap`` go to ``parallelize_mla``,
+    ``kda_protocol`` (``"auto"``/``"p2p"``/``"allgather"``/``"grouped"``) to ``parallelize_kda``.
+
+    Raised on every rank alike, before any communication: ``TypeError`` for an unsupported model
+    (naming the supported classes) or option type; ``ValueError`` for a mesh without dims
+    ``("cp", "tp")``, MLA heads not divisible by ``cp·tp`` or an unknown option;
+    ``RuntimeError`` for a second call on the same model.
+    """
+    fam, base, roles = _validate(model, mesh, mla_strategy, overlap, kda_protocol)
+    sm = sequence_mesh(mesh)
+    for path, role in roles.items():
+        block = base.get_submodule(path)
+        if role == "mla":
+            parallelize_mla(block, sm.flat, strategy=mla_strategy, overlap=overlap)
+        elif role == "kda":
+            parallelize_kda(block, sm.flat, protocol=kda_protocol)
+        elif role == "dense_mlp":
+            parallelize_module(block, sm.tp, MC2GatedMLPParallel())
+    has_loss = base is not model
+    model.forward = parallel_forward(model.forward, sm, has_loss, _mask_override(fam))  # type: ignore[method-assign]
+    model._hp_models_plan = ParallelPlan(fam.name, sm, roles)  # type: ignore[assignment]
+    return model
