@@ -11,6 +11,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from hyper_parallel.dtensor._version import __version__
 from hyper_parallel.dtensor.collectives import all_gather_single, reduce_scatter_single
+from hyper_parallel.dtensor.consistency import (
+    InconsistentRanksError,
+    check_consistent,
+    consistency_checks,
+)
 from hyper_parallel.dtensor.mesh import (
     check_rank_order,
     flatten,
@@ -22,13 +27,16 @@ from hyper_parallel.dtensor.mesh import (
 
 __all__ = [
     "DTensor",
+    "InconsistentRanksError",
     "DeviceMesh",
     "Partial",
     "Replicate",
     "Shard",
     "__version__",
     "all_gather_single",
+    "check_consistent",
     "check_rank_order",
+    "consistency_checks",
     "distribute_tensor",
     "flatten",
     "init_device_mesh",

@@ -27,7 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hyper_parallel.dtensor.simlink import LinkStats, simulated_link
+
 __all__ = [
+    "LinkStats",
     "bench_arguments",
     "bench_record",
     "interleaved_timing",
@@ -35,6 +38,7 @@ __all__ = [
     "peak_memory_bytes",
     "run_ranks",
     "setup_torchrun_process",
+    "simulated_link",
     "summary_line",
     "synchronize",
     "write_records",

@@ -17,8 +17,14 @@ import torch.distributed as dist
 
 __all__ = ["all_gather_single", "reduce_scatter_single"]
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# looked up at call time, so that a wrapper installed on ``torch.distributed`` (the benchmarks'
+# simulated link) sees these calls too
+_ALL_GATHER = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+)
+_REDUCE_SCATTER = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
 
 
 def all_gather_single(
@@ -29,7 +35,7 @@ def all_gather_single(
     ``inp`` is ``[n, *rest]`` on every rank, ``out`` is ``[P·n, *rest]`` and contiguous.
     Returns a work handle when ``async_op`` (else ``None``, like torch).
     """
-    return _ALL_GATHER(out, inp, group=group, async_op=async_op)
+    return getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_single(
@@ -43,4 +49,4 @@ def reduce_scatter_single(
 
     ``inp`` is ``[P·n, *rest]`` and contiguous on every rank, ``out`` is ``[n, *rest]``.
     """
-    return _REDUCE_SCATTER(out, inp, op=op, group=group, async_op=async_op)
+    return getattr(dist, _REDUCE_SCATTER)(out, inp, op=op, group=group, async_op=async_op)

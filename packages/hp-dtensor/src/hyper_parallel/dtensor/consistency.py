@@ -1,0 +1,94 @@
+"""Rank-consistency checks: catch ranks that disagree before they hang or corrupt data.
+
+A collective given different shapes on different ranks hangs (gloo) or silently mixes data
+(NCCL, HCCL). With the check on, each layer's entry point calls :func:`check_consistent` with
+a small signature of its call (shapes, dtypes, the chosen backend, chunk count or protocol);
+one ``all_gather_object`` compares them, and every rank raises the same
+:class:`InconsistentRanksError` naming the field and which ranks hold which value.
+
+Off by default (it costs one small collective per call). Turn it on for a whole process with
+``HP_CHECK_CONSISTENCY=1``, or for a block with ``with consistency_checks(): ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "InconsistentRanksError",
+    "check_consistent",
+    "consistency_checks",
+    "consistency_enabled",
+    "signature",
+]
+
+_ENV = "HP_CHECK_CONSISTENCY"
+_override: bool | None = None
+
+
+class InconsistentRanksError(ValueError):
+    """The ranks of one call disagree. ``field`` names the first differing field and
+    ``values`` maps each distinct value to the group ranks holding it."""
+
+    def __init__(self, what: str, field: str, values: dict[str, list[int]]) -> None:
+        self.field, self.values = field, values
+        parts = "; ".join(f"ranks {ranks}: {value}" for value, ranks in values.items())
+        super().__init__(f"{what}: ranks disagree on {field!r} ({parts})")
+
+
+def consistency_enabled() -> bool:
+    """Whether :func:`check_consistent` communicates (the context manager wins over the
+    environment variable)."""
+    if _override is not None:
+        return _override
+    return os.environ.get(_ENV, "").strip() not in ("", "0", "false", "False")
+
+
+@contextlib.contextmanager
+def consistency_checks(enabled: bool = True) -> Iterator[None]:
+    """Turn the checks on (or off) inside the ``with`` block, whatever ``HP_CHECK_CONSISTENCY``
+    says. Every rank must enter the same blocks."""
+    global _override
+    old, _override = _override, enabled
+    try:
+        yield
+    finally:
+        _override = old
+
+
+def signature(value: Any) -> str:
+    """A short, comparable description of one argument: a tensor's shape, dtype and device
+    type (not its data); other values' ``repr``."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{type(value).__name__}{list(value.shape)}:{dtype}:{value.device.type}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(signature(v) for v in value) + ")"
+    return repr(value)
+
+
+def check_consistent(group: Any, what: str, **fields: Any) -> None:
+    """With the checks on: every rank of ``group`` must pass equal :func:`signature` s for each
+    field, else every rank raises :class:`InconsistentRanksError` (``what`` names the call, e.g.
+    ``"parallelize_kda"``). With the checks off, returns at once without communicating."""
+    if not consistency_enabled() or not dist.is_initialized():
+        return
+    mine = {name: signature(value) for name, value in fields.items()}
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    every: list[Any] = [None] * size
+    dist.all_gather_object(every, mine, group=group)
+    names = sorted({name for sig in every for name in sig}, key=lambda n: (n not in mine, n))
+    for name in names:
+        values: dict[str, list[int]] = {}
+        for rank, sig in enumerate(every):
+            values.setdefault(str(sig.get(name, "<missing>")), []).append(rank)
+        if len(values) > 1:
+            raise InconsistentRanksError(what, name, values)
