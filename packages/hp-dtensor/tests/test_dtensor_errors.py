@@ -1,4 +1,4 @@
-"""Every error of the spec is raised on every rank before any process group is created, and
+"""Every documented error (README, "Errors") is raised on every rank before any process group is created, and
 the mesh keeps working afterwards.
 
 Rejected inputs:
