@@ -47,7 +47,6 @@ def test_all_gather_gradient_is_reduce_scattered_sum_of_consumers(world, dim):
         assert torch.equal(res["out"], gathered)
         assert torch.equal(res["dx"], grad_full.chunk(world, 1)[r])
         assert torch.equal(res["rs"], rs_full.chunk(world, 1)[r])
-        assert res["twins_equal"], "portable all-gather/reduce-scatter differ from native"
         assert res["pending"] == []
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from hyper_parallel.context_parallel.collectives import (
-    _all_gather,
+    all_gather_blocking,
     ulysses_head_to_seq,
     ulysses_seq_to_head,
 )
@@ -94,8 +94,8 @@ def hybrid_attention(
     g = gmesh.get_local_rank()
     lq = q_u.shape[1]
     n_keys = (g + 1) * lq
-    k_all = _all_gather(k_u, 1, gmesh, "k")[:, :n_keys]
-    v_all = _all_gather(v_u, 1, gmesh, "v")[:, :n_keys]
+    k_all = all_gather_blocking(k_u, 1, gmesh, "k")[:, :n_keys]
+    v_all = all_gather_blocking(v_u, 1, gmesh, "v")[:, :n_keys]
     qpos = torch.arange(g * lq, (g + 1) * lq, device=q.device)
     kpos = torch.arange(n_keys, device=q.device)
     mask = kpos[None, :] <= qpos[:, None]

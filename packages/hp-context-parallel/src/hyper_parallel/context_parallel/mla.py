@@ -11,20 +11,38 @@ dv = v_head_dim, dc = kv_lora_rank, dq = dn + dr.
   ``k_nope`` [B,S,H,dn] and ``v`` [B,S,H,dv]; ``k = [k_nope, k_rope]``.
 - causal softmax attention with scale ``dq ** -0.5``, then ``o_proj`` [B,S,H·dv] -> [B,S,D].
 
-The block is split into the steps ``project_q``, ``project_latent``, ``expand_kv``,
-``attend``; the context-parallel rewrite (``parallelize_mla``) calls these same steps on
-sequence or head shards, so the math is written once.
+The block's steps are module-level functions of any module with the DeepSeek attribute names
+(``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``, ``kv_a_proj_with_mqa``,
+``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``) and an :class:`MLAConfig` of its sizes:
+:func:`project_q`, :func:`project_latent`, :func:`kv_heads` (the ``kv_b_proj`` expansion),
+:func:`split_kv`, :func:`causal_attention`. The serial block below and the context-parallel
+rewrite (``parallelize_mla``, for this block and the Hugging Face ones) call these same
+functions on sequence or head shards, so the math is written once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MLAConfig", "MultiHeadLatentAttention", "RMSNorm", "apply_rope", "rope_cos_sin"]
+__all__ = [
+    "MLAConfig",
+    "MultiHeadLatentAttention",
+    "RMSNorm",
+    "Rope",
+    "apply_rope",
+    "causal_attention",
+    "expand_kv",
+    "kv_heads",
+    "project_latent",
+    "project_q",
+    "rope_cos_sin",
+    "split_kv",
+]
 
 
 @dataclass(frozen=True)
@@ -96,13 +114,89 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on ``x [B, S, ..., dr]`` with tables [S, dr] (broadcast over the middle dims)."""
-    shape = (1, cos.shape[0]) + (1,) * (x.dim() - 3) + (cos.shape[1],)
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """RoPE on ``x [B, S, ..., dr]`` with tables ``[S, dr]`` or ``[B or 1, S, dr]`` (broadcast
+    over the middle dims). Tables hold ``cat(θ, θ)`` (the angle of pair i at i and i + dr/2).
+
+    ``interleaved=False`` (rotate-half): pair i is ``(x[i], x[i + dr/2])``.
+    ``interleaved=True`` (DeepSeek checkpoints, ``config.rope_interleave``): pair i is
+    ``(x[2i], x[2i+1])``, and the result lists the rotated first members, then the second
+    members. Queries and keys get the same layout, so their dot products are unchanged.
+    """
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    shape = (cos.shape[0], cos.shape[1]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
     cos, sin = cos.view(shape), sin.view(shape)
     half = x.shape[-1] // 2
+    if interleaved:
+        c, s = cos[..., :half], sin[..., :half]
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The rotary tables of one sequence block: ``cos``, ``sin`` ``[S, dr]`` or
+    ``[B or 1, S, dr]`` and the pair layout (see :func:`apply_rope`)."""
+
+    cos: Tensor
+    sin: Tensor
+    interleaved: bool = False
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return apply_rope(x, self.cos, self.sin, self.interleaved)
+
+
+def _rotate(x: Tensor, rope: Rope | None) -> Tensor:
+    return x if rope is None else rope(x)  # None: NoPE (Kimi-Linear's MLA)
+
+
+def project_q(m: Any, c: MLAConfig, x: Tensor, rope: Rope | None) -> Tensor:
+    """``x [B, S, D] -> q [B, S, H, dq]`` with RoPE on the last dr values."""
+    if c.q_lora_rank is None:
+        q = m.q_proj(x)
+    else:
+        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x)))
+    q = q.view(*x.shape[:2], c.num_heads, c.qk_head_dim)
+    q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+    return torch.cat([q_nope, _rotate(q_rope, rope)], dim=-1)
+
+
+def project_latent(m: Any, c: MLAConfig, x: Tensor, rope: Rope | None) -> Tensor:
+    """``x [B, S, D] -> [B, S, dc + dr]``: the normalised latent and the RoPE'd shared key."""
+    latent, k_rope = m.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+    return torch.cat([m.kv_a_layernorm(latent), _rotate(k_rope, rope)], dim=-1)
+
+
+def kv_heads(latent: Tensor, weight: Tensor, width: int) -> Tensor:
+    """The ``kv_b_proj`` expansion: ``latent [B, S, dc]`` and ``weight [h·width, dc]`` (the
+    rows of h consecutive heads, ``width = dn + dv`` rows each) -> ``kv [B, S, h, width]``."""
+    return F.linear(latent, weight).view(*latent.shape[:2], -1, width)
+
+
+def split_kv(c: MLAConfig, kv: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor]:
+    """``kv [B,S,h,dn+dv]``, ``k_rope [B,S,dr]`` -> ``k [B,S,h,dq]``, ``v [B,S,h,dv]``."""
+    k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+    k_rope = k_rope[:, :, None, :].expand(*k_nope.shape[:3], c.qk_rope_head_dim)
+    return torch.cat([k_nope, k_rope], dim=-1), v
+
+
+def expand_kv(c: MLAConfig, latent: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``[B, S, dc + dr]`` and ``kv_b_proj`` rows ``[h·(dn+dv), dc]`` -> ``k [B, S, h, dq]``,
+    ``v [B, S, h, dv]``."""
+    lat, k_rope = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+    return split_kv(c, kv_heads(lat, weight, c.qk_nope_head_dim + c.v_head_dim), k_rope)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal softmax attention on ``[B, S, h, d]`` tensors holding every token of the
+    sequence (query i sees keys 0..i); ``scale`` multiplies ``q·k``. -> ``[B, S, h, dv]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+    )
+    return out.transpose(1, 2)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -128,62 +222,20 @@ class MultiHeadLatentAttention(nn.Module):
         )
         self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=bias)
 
-    # -- steps ------------------------------------------------------------------------------
-    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> Rope:
+        """Rotate-half tables for the given (global) token positions."""
         c = self.config
-        return rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
-
-    def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``x [B, S, D] -> q [B, S, H, dq]`` with RoPE on the last dr values."""
-        c = self.config
-        if c.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(*x.shape[:2], c.num_heads, c.qk_head_dim)
-        q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        return torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
-
-    def project_latent(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``x [B, S, D] -> [B, S, dc + dr]``: the normalised latent and the RoPE'd shared key."""
-        c = self.config
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
-        return torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rope, cos, sin)], dim=-1)
-
-    def split_kv(self, kv: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor]:
-        """``kv [B,S,h,dn+dv]``, ``k_rope [B,S,dr]`` -> ``k [B,S,h,dq]``, ``v [B,S,h,dv]``."""
-        c = self.config
-        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k_rope = k_rope[:, :, None, :].expand(*k_nope.shape[:3], c.qk_rope_head_dim)
-        return torch.cat([k_nope, k_rope], dim=-1), v
-
-    def expand_kv(self, latent: Tensor) -> tuple[Tensor, Tensor]:
-        """``[B, S, dc + dr] -> k [B, S, H, dq], v [B, S, H, dv]`` through ``kv_b_proj``."""
-        c = self.config
-        lat, k_rope = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(lat).view(*lat.shape[:2], c.num_heads, -1)
-        return self.split_kv(kv, k_rope)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Causal attention on ``[B, S, h, d]`` tensors holding every token; -> [B, S, h, dv]."""
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            scale=self.config.softmax_scale,
-        )
-        return out.transpose(1, 2)
+        return Rope(*rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype))
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.hidden_size:
+        c = self.config
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(
-                f"hidden_states must be [B, S, {self.config.hidden_size}], got "
-                f"{tuple(hidden_states.shape)}"
+                f"hidden_states must be [B, S, {c.hidden_size}], got {tuple(hidden_states.shape)}"
             )
-        positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)
-        cos, sin = self.rope_tables(positions, hidden_states.dtype)
-        q = self.project_q(hidden_states, cos, sin)
-        k, v = self.expand_kv(self.project_latent(hidden_states, cos, sin))
-        out = self.attend(q, k, v)
+        x = hidden_states
+        rope = self.rope(torch.arange(x.shape[1], device=x.device), x.dtype)
+        q = project_q(self, c, x, rope)
+        k, v = expand_kv(c, project_latent(self, c, x, rope), self.kv_b_proj.weight)
+        out = causal_attention(q, k, v, c.softmax_scale)
         return self.o_proj(out.flatten(2))

@@ -1,0 +1,191 @@
+"""MLA module families: one small adapter per family feeding the one context-parallel schedule.
+
+An adapter says, for one family of attention modules, how to recognise it (class name in its
+MRO plus the DeepSeek attribute names, so ``transformers`` is never imported), its sizes (an
+:class:`~hyper_parallel.context_parallel.mla.MLAConfig`), its softmax scale, where its RoPE
+comes from and in which layout, and its forward signature. The projections themselves are the
+shared functions of :mod:`hyper_parallel.context_parallel.mla` (every family uses the same
+attribute names).
+
+- ``MultiHeadLatentAttention`` (this package): ``forward(hidden_states) -> Tensor``; RoPE
+  rotate-half at global positions (computed here); scale ``config.softmax_scale``.
+- ``DeepseekV3Attention``: ``forward(hidden_states, position_embeddings, attention_mask,
+  past_key_values=None, **kwargs) -> (output, None)``; RoPE from the caller's ``(cos, sin)``,
+  layout ``config.rope_interleave``; scale ``module.scaling`` (yarn mscale included).
+- ``KimiLinearAttention``: ``forward(hidden_states, attention_mask, past_key_values=None,
+  **kwargs) -> (output, None)``; no RoPE (NoPE); scale ``module.scaling``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hyper_parallel.context_parallel.mla import MLAConfig, MultiHeadLatentAttention, Rope
+
+__all__ = ["FAMILIES", "MLACall", "MLAFamily", "find_family", "supported_classes"]
+
+_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+_HF_SIZES = (
+    "hidden_size",
+    "num_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "scaling",
+    "config",
+)
+
+
+@dataclass
+class MLACall:
+    """One call of a rewritten forward, in the family's own argument names."""
+
+    hidden_states: Any
+    attention_mask: Any = None
+    past_key_values: Any = None
+    position_embeddings: Any = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+Run = Callable[[nn.Module, MLACall], Tensor]  # the schedule: (module, call) -> [B, S/P, D]
+
+
+class MLAFamily:
+    """Base adapter. Subclasses set ``class_name`` and implement the hooks."""
+
+    class_name: str = ""
+    rope_source: str = ""  # "positions" | "caller" | "none" (documentation and errors)
+
+    def matches(self, module: Any) -> bool:
+        names = {c.__name__ for c in type(module).__mro__}
+        return self.class_name in names and all(hasattr(module, a) for a in _PROJECTIONS)
+
+    def dims(self, module: Any) -> MLAConfig:
+        q_lora = module.q_lora_rank
+        return MLAConfig(
+            hidden_size=module.hidden_size,
+            num_heads=module.num_heads,
+            q_lora_rank=q_lora,
+            kv_lora_rank=module.kv_lora_rank,
+            qk_nope_head_dim=module.qk_nope_head_dim,
+            qk_rope_head_dim=module.qk_rope_head_dim,
+            v_head_dim=module.v_head_dim,
+        )
+
+    def scale(self, module: Any) -> float:
+        return float(module.scaling)
+
+    def rope(self, module: Any, call: MLACall, offset: int, dims: MLAConfig) -> Rope | None:
+        """The RoPE of this rank's tokens (``offset``: the global position of its first)."""
+        raise NotImplementedError
+
+    def dropout(self, module: Any) -> float:
+        """The attention dropout probability in effect (0 in eval mode)."""
+        p = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+        return p if module.training else 0.0
+
+    def forward(self, run: Run) -> Callable[..., Any]:
+        """The rewritten class's ``forward``, with the family's signature."""
+        raise NotImplementedError
+
+
+class _OwnMLA(MLAFamily):
+    class_name = "MultiHeadLatentAttention"
+    rope_source = "positions"
+
+    def matches(self, module: Any) -> bool:
+        return isinstance(module, MultiHeadLatentAttention)
+
+    def dims(self, module: Any) -> MLAConfig:
+        return module.config
+
+    def scale(self, module: Any) -> float:
+        return module.config.softmax_scale
+
+    def rope(self, module: Any, call: MLACall, offset: int, dims: MLAConfig) -> Rope | None:
+        x = call.hidden_states
+        return module.rope(torch.arange(offset, offset + x.shape[1], device=x.device), x.dtype)
+
+    def forward(self, run: Run) -> Callable[..., Any]:
+        def forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
+            return run(self, MLACall(hidden_states))
+
+        return forward
+
+
+class _DeepseekV3(MLAFamily):
+    class_name = "DeepseekV3Attention"
+    rope_source = "caller"
+
+    def matches(self, module: Any) -> bool:
+        return super().matches(module) and all(hasattr(module, a) for a in _HF_SIZES)
+
+    def rope(self, module: Any, call: MLACall, offset: int, dims: MLAConfig) -> Rope | None:
+        cos, sin = call.position_embeddings
+        return Rope(cos, sin, bool(getattr(module.config, "rope_interleave", False)))
+
+    def forward(self, run: Run) -> Callable[..., Any]:
+        def forward(
+            self: nn.Module,
+            hidden_states: Tensor,
+            position_embeddings: tuple[Tensor, Tensor],
+            attention_mask: Tensor | None,
+            past_key_values: Any = None,
+            **kwargs: Any,
+        ) -> tuple[Tensor, None]:
+            call = MLACall(
+                hidden_states, attention_mask, past_key_values, position_embeddings, kwargs
+            )
+            return run(self, call), None
+
+        return forward
+
+
+class _KimiLinear(MLAFamily):
+    class_name = "KimiLinearAttention"
+    rope_source = "none"
+
+    def matches(self, module: Any) -> bool:
+        return super().matches(module) and all(hasattr(module, a) for a in _HF_SIZES)
+
+    def rope(self, module: Any, call: MLACall, offset: int, dims: MLAConfig) -> Rope | None:
+        return None  # NoPE: the "rope" part of q and of the shared key is used unrotated
+
+    def forward(self, run: Run) -> Callable[..., Any]:
+        def forward(
+            self: nn.Module,
+            hidden_states: Tensor,
+            attention_mask: Tensor | None,
+            past_key_values: Any = None,
+            **kwargs: Any,
+        ) -> tuple[Tensor, None]:
+            return run(
+                self, MLACall(hidden_states, attention_mask, past_key_values, None, kwargs)
+            ), None
+
+        return forward
+
+
+FAMILIES: tuple[MLAFamily, ...] = (_OwnMLA(), _DeepseekV3(), _KimiLinear())
+
+
+def supported_classes() -> list[str]:
+    return [f.class_name for f in FAMILIES]
+
+
+def find_family(module: Any) -> MLAFamily:
+    """The adapter of ``module``; ``TypeError`` listing the supported classes otherwise."""
+    for family in FAMILIES:
+        if family.matches(module):
+            return family
+    raise TypeError(
+        f"parallelize_mla supports {', '.join(supported_classes())} (or subclasses with the "
+        f"same attributes); got {type(module).__name__}"
+    )

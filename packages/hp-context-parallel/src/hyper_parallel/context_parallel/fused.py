@@ -1,0 +1,143 @@
+"""Fused autograd nodes of the context-parallel MLA schedule, and its recorder markers.
+
+``WaitLinear`` (wait the head→seq exchange of the attention output, then ``o_proj``) and
+``WaitExpand`` (wait the all-gather of ``[latent, k_rope]``, then expand this rank's heads
+with its rows of ``kv_b_proj``) split their backward into the input-gradient matmul, the start
+of the gradient's collective, and the weight-gradient matmul, so that the collective is in
+flight during the weight-gradient matmul. ``mark`` inserts begin/end events around compute
+(only while a recorder is active: no graph nodes otherwise); ``span`` records inside a node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd import Function
+
+from hyper_parallel.context_parallel import recorder as _rec
+from hyper_parallel.context_parallel.exchange import Exchange
+from hyper_parallel.context_parallel.mla import kv_heads
+
+__all__ = ["WaitExpand", "WaitLinear", "mark", "span"]
+
+
+# ---- recorder markers (inserted only while recording) -----------------------------------
+class _Mark(Function):
+    @staticmethod
+    def forward(ctx: Any, name: str, begin: bool, *xs: Tensor) -> Any:  # type: ignore[override]
+        ctx.name, ctx.begin = name, begin
+        rec = _rec._ACTIVE
+        if rec is not None:
+            rec.add("begin" if begin else "end", name, "forward")
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:  # type: ignore[override]
+        rec = _rec._ACTIVE
+        if rec is not None:
+            rec.add("end" if ctx.begin else "begin", ctx.name, "backward")
+        return (None, None, *grads)
+
+
+def mark(name: str, begin: bool, *xs: Tensor) -> tuple[Tensor, ...]:
+    if _rec._ACTIVE is None:
+        return xs
+    return _Mark.apply(name, begin, *xs)
+
+
+class span:
+    """Record a compute span inside a fused node (no-op when recording is off)."""
+
+    __slots__ = ("name", "phase", "rec")
+
+    def __init__(self, name: str, phase: str) -> None:
+        self.name, self.phase, self.rec = name, phase, _rec._ACTIVE
+
+    def __enter__(self) -> None:
+        if self.rec is not None:
+            self.rec.add("begin", self.name, self.phase)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.rec is not None:
+            self.rec.add("end", self.name, self.phase)
+
+
+# ---- fused wait + matmul nodes with split input/weight gradients ------------------------
+class WaitLinear(Function):
+    """Wait the head→seq exchange of the attention output, then ``o_proj``.
+
+    Backward: input-grad matmul, launch the gradient's seq→head exchange (waited by the
+    paired launch node), then the weight-grad matmul while it is in flight.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, token: Tensor, weight: Tensor, bias: Tensor | None, ex: Exchange, head_width: int
+    ) -> Tensor:
+        a = ex.finish()
+        with span("o_proj", "forward"):
+            a = a.flatten(2)
+            y = F.linear(a, weight, bias)
+        ctx.ex, ctx.has_bias, ctx.a_shape, ctx.head_width = (
+            ex,
+            bias is not None,
+            a.shape,
+            head_width,
+        )
+        ctx.save_for_backward(a, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> Any:  # type: ignore[override]
+        a, weight = ctx.saved_tensors
+        ex = ctx.ex
+        with span("o_proj.input_grad", "backward"):
+            da = (dy @ weight).view(*ctx.a_shape[:2], -1, ctx.head_width)
+        ex.start_grad(da)
+        dw = db = None
+        with span("o_proj.weight_grad", "backward"):
+            if ctx.needs_input_grad[1]:
+                dw = dy.flatten(0, 1).t() @ a.flatten(0, 1)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy.flatten(0, 1).sum(0)
+        return dy.new_empty(0), dw, db, None, None
+
+
+class WaitExpand(Function):
+    """Wait the all-gather of ``[latent, k_rope]``; expand this rank's heads with its rows of
+    ``kv_b_proj``. Returns ``kv [B, S, h, dn + dv]`` and ``k_rope [B, S, dr]``.
+
+    Backward: input-grad matmul, launch the reduce-scatter (sum) of the gathered tensor's
+    gradient (waited by the paired launch node), then the weight-grad matmul.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, token: Tensor, weight: Tensor, ex: Exchange, rows: slice, dc: int, width: int
+    ) -> Any:
+        full = ex.finish()
+        with span("kv_b_proj", "forward"):
+            lat = full[..., :dc].contiguous()
+            k_rope = full[..., dc:].contiguous()
+            kv = kv_heads(lat, weight[rows], width)
+        ctx.ex, ctx.rows = ex, rows
+        ctx.save_for_backward(lat, weight)
+        return kv, k_rope
+
+    @staticmethod
+    def backward(ctx: Any, dkv: Tensor, dk_rope: Tensor) -> Any:  # type: ignore[override]
+        lat, weight = ctx.saved_tensors
+        rows = ctx.rows
+        d2 = dkv.reshape(*dkv.shape[:2], -1)
+        with span("kv_b_proj.input_grad", "backward"):
+            dlat = d2 @ weight[rows]
+        ctx.ex.start_grad(torch.cat([dlat, dk_rope], dim=-1))
+        dw = None
+        with span("kv_b_proj.weight_grad", "backward"):
+            if ctx.needs_input_grad[1]:
+                dw = torch.zeros_like(weight)
+                dw[rows] = d2.flatten(0, 1).t() @ lat.flatten(0, 1)
+        return dkv.new_empty(0), dw, None, None, None, None

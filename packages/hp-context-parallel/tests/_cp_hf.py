@@ -1,0 +1,165 @@
+"""Stock Hugging Face MLA modules (tiny random configs, float64) for the hp-context-parallel
+tests: builders, the serial reference on the full sequence, and the rank functions."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import DeepseekV3Config, KimiLinearConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3Attention,
+    DeepseekV3RotaryEmbedding,
+)
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
+
+from hyper_parallel.context_parallel import parallelize_mla, shard_sequence
+from hyper_parallel.dtensor import flatten, init_device_mesh
+
+BATCH, SEQ, HIDDEN = 2, 16, 24
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+# name -> (family, q_lora_rank, rope_interleave, yarn, attention_bias)
+VARIANTS: dict[str, tuple[str, int | None, bool, bool, bool]] = {
+    "deepseek_interleave": ("deepseek", None, True, False, False),
+    "deepseek_rotate_half_yarn_qlora": ("deepseek", 12, False, True, True),
+    "deepseek_interleave_yarn_qlora": ("deepseek", 12, True, True, False),
+    "kimi": ("kimi", None, False, False, False),
+    "kimi_qlora": ("kimi", 12, False, False, True),
+}
+COMBOS = list(itertools.product(VARIANTS, ("expanded", "latent"), (True, False)))
+
+
+def _sizes(heads: int, q_lora: int | None, bias: bool) -> dict[str, Any]:
+    return dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=q_lora,
+        kv_lora_rank=10,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+        attention_bias=bias,
+        attention_dropout=0.0,
+        max_position_embeddings=64,
+        vocab_size=50,
+        intermediate_size=32,
+    )
+
+
+def config(variant: str, heads: int = 4, layers: int = 1, attn: str = "sdpa") -> Any:
+    family, q_lora, interleave, yarn, bias = VARIANTS[variant]
+    sizes = _sizes(heads, q_lora, bias)
+    if family == "deepseek":
+        cfg = DeepseekV3Config(
+            **sizes,
+            num_hidden_layers=layers,
+            first_k_dense_replace=layers,  # dense MLPs only
+            moe_intermediate_size=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            rope_interleave=interleave,
+            rope_parameters=dict(YARN) if yarn else {"rope_type": "default", "rope_theta": 1e4},
+            attn_implementation=attn,
+        )
+    else:
+        cfg = KimiLinearConfig(
+            **sizes,
+            num_hidden_layers=layers,
+            layer_types=["full_attention"] * layers,
+            mlp_layer_types=["dense"] * layers,
+            attn_implementation=attn,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    return cfg
+
+
+def build(variant: str, heads: int = 4, seed: int = 0) -> nn.Module:
+    """The stock attention module, float64, random weights (norm weights perturbed too)."""
+    cfg = config(variant, heads)
+    cls = DeepseekV3Attention if VARIANTS[variant][0] == "deepseek" else KimiLinearAttention
+    torch.manual_seed(seed)
+    m = cls(cfg, layer_idx=0).double()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "layernorm" in name else 0.3))
+            if "layernorm" in name:
+                p.add_(1.0)
+    return m
+
+
+def inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=g)
+    dy = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=g)
+    return x, dy
+
+
+def rope_tables(m: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own rotary embedding at the given (global) positions: ``[1, L, dr]``."""
+    rotary = DeepseekV3RotaryEmbedding(m.config)
+    return rotary(torch.zeros(1, dtype=torch.float64), positions[None])
+
+
+def call(m: nn.Module, variant: str, x: torch.Tensor, positions: torch.Tensor, **kw: Any) -> Any:
+    """Call ``m`` the way its decoder layer does (keyword arguments)."""
+    if VARIANTS[variant][0] == "deepseek":
+        kw.setdefault("position_embeddings", rope_tables(m, positions))
+    kw.setdefault("attention_mask", None)
+    return m(hidden_states=x, **kw)
+
+
+def _run(m: nn.Module, variant: str, x: torch.Tensor, dy: torch.Tensor, positions) -> dict:
+    x = x.clone().requires_grad_(True)
+    out, weights = call(m, variant, x, positions, position_ids=positions[None])
+    out.backward(dy)
+    return {
+        "out": out.detach(),
+        "weights": weights,
+        "dx": x.grad,
+        "grads": {n: p.grad.clone() for n, p in m.named_parameters()},
+    }
+
+
+def serial_reference(variant: str) -> dict[str, Any]:
+    x, dy = inputs()
+    return _run(build(variant), variant, x, dy, torch.arange(SEQ))
+
+
+def cp_mesh() -> Any:
+    """World 4: the 1-D mesh flattened from a (cp=2, tp=2) mesh; otherwise a plain 1-D mesh."""
+    ws = dist.get_world_size()
+    if ws == 4:
+        return flatten(init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp")))
+    return init_device_mesh("cpu", (ws,), mesh_dim_names=("cp",))
+
+
+def rank_parallel(combos: list[tuple[str, str, bool]]) -> dict[tuple, dict[str, Any]]:
+    """On every rank: each (variant, strategy, overlap) context-parallel, forward + backward."""
+    mesh = cp_mesh()
+    p, r = mesh.size(), mesh.get_local_rank()
+    results = {}
+    for variant, strategy, overlap in combos:
+        m = build(variant)
+        params = [id(q) for q in m.parameters()]
+        parallelize_mla(m, mesh, strategy=strategy, overlap=overlap)
+        x, dy = inputs()
+        block = torch.arange(r * SEQ // p, (r + 1) * SEQ // p)
+        res = _run(m, variant, shard_sequence(x, mesh), shard_sequence(dy, mesh), block)
+        res["same_parameters"] = params == [id(q) for q in m.parameters()]
+        results[(variant, strategy, overlap)] = res
+    return results
