@@ -165,8 +165,8 @@ def _reject_all(names: list[str]) -> dict:
 
         return wrapped
 
-    collectives._all_gather = counting(collectives._all_gather)
-    collectives._reduce_scatter = counting(collectives._reduce_scatter)
+    collectives.all_gather_single = counting(collectives.all_gather_single)
+    collectives.reduce_scatter_single = counting(collectives.reduce_scatter_single)
     outcome = {}
     for name in names:
         build, call, _, _ = CASES[name]

@@ -1,20 +1,25 @@
 """hyper_parallel.mc2: tensor + sequence parallel linear layers whose all-gather /
 reduce-scatter is fused with (Ascend MC2 kernels) or overlapped with (chunked async
-collectives) the matmul, in forward and backward."""
+collectives) the matmul, in forward and backward; and the gated MLP block
+(``down(act(gate(x)) * up(x))``) with one all-gather shared by gate and up."""
 
 from hyper_parallel.mc2._version import __version__
 from hyper_parallel.mc2.backend import default_chunks, npu_constraint_failure, select_backend
 from hyper_parallel.mc2.functional import all_gather_matmul, matmul_reduce_scatter
+from hyper_parallel.mc2.gated import gated_mlp
+from hyper_parallel.mc2.gated_style import MC2GatedMLPParallel
 from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel
 from hyper_parallel.mc2.npu_ops import NpuOps, TorchNpuOps, hccl_comm_name, use_npu_ops
 from hyper_parallel.mc2.reference import (
     all_gather_matmul_reference,
+    gated_mlp_reference,
     matmul_reduce_scatter_reference,
 )
 from hyper_parallel.mc2.styles import MC2ColwiseParallel, MC2RowwiseParallel
 
 __all__ = [
     "MC2ColwiseParallel",
+    "MC2GatedMLPParallel",
     "MC2Linear",
     "MC2Parallel",
     "MC2RowwiseParallel",
@@ -24,6 +29,8 @@ __all__ = [
     "all_gather_matmul",
     "all_gather_matmul_reference",
     "default_chunks",
+    "gated_mlp",
+    "gated_mlp_reference",
     "hccl_comm_name",
     "matmul_reduce_scatter",
     "matmul_reduce_scatter_reference",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hyper_parallel.mc2.npu_ops import NpuOps, current_npu_ops
 
@@ -53,6 +53,12 @@ def validate_operands(
         not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1
     ):
         raise ValueError(f"chunks must be a positive int or None, got {chunks!r}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if isinstance(t, DTensor):
+            raise TypeError(
+                f"{op}: {name} is a DTensor; the functional forms take this rank's local "
+                f"tensors (pass {name}.to_local())"
+            )
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -85,6 +91,8 @@ def validate_operands(
                 f"{op}: x is {dtype_name(x.dtype)} but bias is {dtype_name(bias.dtype)}; "
                 "x, weight and bias must share one dtype"
             )
+        if bias.device != weight.device:
+            raise ValueError(f"{op}: bias is on {bias.device} but weight is on {weight.device}")
     if op == "matmul_reduce_scatter" and x.shape[0] % world_size != 0:
         raise ValueError(
             f"{op}: m={x.shape[0]} rows are not divisible by the group size {world_size} "
@@ -153,25 +161,18 @@ def select_backend(
     return "npu", "tensors are on npu, the kernels are available and every constraint holds"
 
 
-def _cpu_has_spare_core() -> bool:
-    """Whether a CPU collective can progress on a core the local ranks' matmuls leave idle."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return cores > torch.get_num_threads() * local_ranks
-
-
 def default_chunks(rows: int, k: int, n: int, world_size: int, device_type: str = "cpu") -> int:
     """Chunk count of the ``torch`` backend for a chunked dim of ``rows`` local rows.
 
-    Each chunk should still be a matmul worth overlapping (>= 64 rows, >= ~134 MFLOP over
-    all ranks' rows), and more than four chunks buy little overlap for the per-collective
-    latency they add. On CPU the collective runs on CPU threads (gloo), so overlap only pays
-    when a core is left over after every local rank's intra-op threads; otherwise 1.
+    A pure function of the shapes, the group size and the device type, so every rank of a
+    group computes the same count and runs the same sequence of collectives (a count read
+    from a rank's own CPU affinity or thread count could differ between ranks). On CPU the
+    collective runs on CPU threads (gloo) that compete with the matmuls for the same cores,
+    and forced overlap measured no gain there: 1. On an accelerator each chunk should still
+    be a matmul worth overlapping (>= 64 rows, >= ~134 MFLOP over all ranks' rows), and more
+    than four chunks buy little overlap for the per-collective latency they add.
     """
-    if device_type == "cpu" and not _cpu_has_spare_core():
+    if device_type == "cpu":
         return 1
     flops = 2 * rows * world_size * k * n
     return max(1, min(4, rows // 64, flops // (1 << 27)))

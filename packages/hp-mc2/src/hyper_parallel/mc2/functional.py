@@ -22,147 +22,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.mc2._collectives import all_gather_async, reduce_scatter_async
+from hyper_parallel.mc2._chunked import (
+    gather_matmuls,
+    matmul_reduce_scatter_bwd,
+    matmul_reduce_scatter_fwd,
+    matmuls_reduce_scatter_grads,
+    splits,
+)
 from hyper_parallel.mc2.backend import default_chunks, select_backend, validate_operands
 from hyper_parallel.mc2.npu_ops import current_npu_ops
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
-
-
-def _splits(rows: int, chunks: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` of ``chunks`` near-equal, non-empty pieces of ``rows`` rows."""
-    chunks = max(1, min(chunks, rows))
-    base, extra = divmod(rows, chunks)
-    out, off = [], 0
-    for j in range(chunks):
-        length = base + (1 if j < extra else 0)
-        out.append((off, length))
-        off += length
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# torch backend: chunked, overlapped decompositions
-# ---------------------------------------------------------------------------------------------
-
-
-def _ag_mm_forward(
-    x: torch.Tensor, weight: torch.Tensor, group: Any, ws: int, splits: list[tuple[int, int]]
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``Y = AllGather_m(x) @ Wᵀ`` with chunk j+1 gathering under chunk j's matmul. Returns Y
-    and the gathered chunks (``[ws, m_j, k]`` each) for dW."""
-    m, k = x.shape
-    n = weight.shape[0]
-    wt = weight.t()
-    parts = [x.new_empty(ws, mj, k) for _, mj in splits]
-
-    def start(j: int) -> Any:
-        off, mj = splits[j]
-        return all_gather_async(parts[j].view(ws * mj, k), x[off : off + mj], group)
-
-    y = x.new_empty(ws * m, n)
-    y3 = y.view(ws, m, n)
-    work = start(0)
-    for j, (off, mj) in enumerate(splits):
-        work.wait()
-        if j + 1 < len(splits):
-            work = start(j + 1)
-        if len(splits) == 1:
-            torch.mm(parts[0].view(ws * m, k), wt, out=y)
-        else:
-            y3[:, off : off + mj] = torch.matmul(parts[j], wt)
-    return y, parts
-
-
-def _ag_mm_backward(
-    dy: torch.Tensor,
-    weight: torch.Tensor,
-    parts: list[torch.Tensor],
-    group: Any,
-    ws: int,
-    splits: list[tuple[int, int]],
-    need_dx: bool,
-    need_dw: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """dX chunk j is reduce-scattered while dW's chunk j (and dX's chunk j+1) computes."""
-    n, k = weight.shape
-    m = sum(mj for _, mj in splits)
-    dy3 = dy.view(ws, m, n)
-    dx = dy.new_empty(m, k) if need_dx else None
-    dw = dy.new_zeros(n, k) if need_dw else None
-    pending = []
-    for j, (off, mj) in enumerate(splits):
-        dyj = dy3 if len(splits) == 1 else dy3[:, off : off + mj]
-        if dx is not None:
-            partial = torch.matmul(dyj, weight)  # [ws, m_j, k], summed over ranks below
-            pending.append((reduce_scatter_async(dx[off : off + mj], partial, group), partial))
-        if dw is not None:
-            dw.addmm_(dyj.reshape(ws * mj, n).t(), parts[j].view(ws * mj, k))
-    for work, _ in pending:
-        work.wait()
-    return dx, dw
-
-
-def _mm_rs_forward(
-    x: torch.Tensor, weight: torch.Tensor, group: Any, ws: int, splits: list[tuple[int, int]]
-) -> torch.Tensor:
-    """``Y = ReduceScatter_m(x @ Wᵀ)``: chunk j's reduce-scatter runs under chunk j+1's matmul."""
-    m, k = x.shape
-    mo, n = m // ws, weight.shape[0]
-    wt = weight.t()
-    x3 = x.view(ws, mo, k)
-    y = x.new_empty(mo, n)
-    pending = []
-    for off, mj in splits:
-        partial = torch.mm(x, wt) if len(splits) == 1 else torch.matmul(x3[:, off : off + mj], wt)
-        pending.append((reduce_scatter_async(y[off : off + mj], partial, group), partial))
-    for work, _ in pending:
-        work.wait()
-    return y
-
-
-def _mm_rs_backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    group: Any,
-    ws: int,
-    splits: list[tuple[int, int]],
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``dY_full = AllGather_m(dY)`` chunk by chunk; chunk j+1 gathers under chunk j's dX/dW."""
-    n, k = weight.shape
-    mo = dy.shape[0]
-    parts = [dy.new_empty(ws, mj, n) for _, mj in splits]
-
-    def start(j: int) -> Any:
-        off, mj = splits[j]
-        return all_gather_async(parts[j].view(ws * mj, n), dy[off : off + mj], group)
-
-    dx = dy.new_empty(ws * mo, k) if need_dx else None
-    dw = dy.new_zeros(n, k) if need_dw else None
-    db = dy.new_zeros(n) if need_db else None
-    x3 = x.view(ws, mo, k)
-    work = start(0)
-    for j, (off, mj) in enumerate(splits):
-        work.wait()
-        if j + 1 < len(splits):
-            work = start(j + 1)
-        g = parts[j]
-        single = len(splits) == 1
-        if dx is not None:
-            if single:
-                torch.mm(g.view(ws * mo, n), weight, out=dx)
-            else:
-                dx.view(ws, mo, k)[:, off : off + mj] = torch.matmul(g, weight)
-        if dw is not None:
-            xj = x if single else x3[:, off : off + mj].reshape(ws * mj, k)
-            dw.addmm_(g.view(ws * mj, n).t(), xj)
-        if db is not None:
-            db.add_(g.sum(dim=(0, 1)))
-    return dx, dw, db
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,8 +65,10 @@ class _AllGatherMatmul(torch.autograd.Function):
             parts = [gathered.view(ws, x.shape[0], x.shape[1])]
             ctx.splits = [(0, x.shape[0])]
         else:
-            ctx.splits = _splits(x.shape[0], chunks)
-            y, parts = _ag_mm_forward(x, weight, group, ws, ctx.splits)
+            ctx.splits = splits(x.shape[0], chunks)
+            (y,), parts = gather_matmuls(
+                x, [weight], group, ws, ctx.splits, keep=ctx.needs_input_grad[1]
+            )
         if bias is not None:
             y.add_(bias)
         ctx.save_for_backward(weight, *(parts if ctx.needs_input_grad[1] else ()))
@@ -216,8 +88,16 @@ class _AllGatherMatmul(torch.autograd.Function):
             if need_dw:
                 dw = dy.t() @ parts[0].view(-1, weight.shape[1])
         elif need_dx or need_dw:
-            dx, dw = _ag_mm_backward(
-                dy, weight, parts, ctx.group, ctx.ws, ctx.splits, need_dx, need_dw
+            dx, (dw,) = matmuls_reduce_scatter_grads(
+                [dy],
+                [weight],
+                None,
+                parts,
+                ctx.group,
+                ctx.ws,
+                ctx.splits,
+                need_dx=need_dx,
+                need_dw=[need_dw],
             )
         db = dy.sum(0) if need_db else None
         return dx, dw, db, None, None, None
@@ -244,8 +124,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
             y = ops.npu_mm_reduce_scatter_base(x, weight.t(), hcom, ws, reduce_op="sum", bias=None)
             ctx.ops, ctx.hcom = ops, hcom
         else:
-            ctx.splits = _splits(x.shape[0] // ws, chunks)
-            y = _mm_rs_forward(x, weight, group, ws, ctx.splits)
+            ctx.splits = splits(x.shape[0] // ws, chunks)
+            y = matmul_reduce_scatter_fwd(x, weight, group, ws, ctx.splits)
         if bias is not None:
             y.add_(bias)
         ctx.save_for_backward(x, weight)
@@ -266,8 +146,16 @@ class _MatmulReduceScatter(torch.autograd.Function):
                 db = dy_full.sum(0) if need_db else None
                 dx = dx if need_dx else None
         elif need_dx or need_dw or need_db:
-            dx, dw, db = _mm_rs_backward(
-                dy, x, weight, ctx.group, ctx.ws, ctx.splits, need_dx, need_dw, need_db
+            dx, dw, db = matmul_reduce_scatter_bwd(
+                dy,
+                x,
+                weight,
+                ctx.group,
+                ctx.ws,
+                ctx.splits,
+                need_dx=need_dx,
+                need_dw=need_dw,
+                need_db=need_db,
             )
         return dx, dw, db, None, None, None
 

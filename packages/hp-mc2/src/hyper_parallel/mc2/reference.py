@@ -4,6 +4,7 @@ every backend against them, and users can swap them in to debug."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,8 +13,13 @@ import torch.nn.functional as F
 
 from hyper_parallel.mc2._collectives import all_gather_async, reduce_scatter_async
 from hyper_parallel.mc2.backend import validate_operands
+from hyper_parallel.mc2.gated import validate_gated_operands
 
-__all__ = ["all_gather_matmul_reference", "matmul_reduce_scatter_reference"]
+__all__ = [
+    "all_gather_matmul_reference",
+    "gated_mlp_reference",
+    "matmul_reduce_scatter_reference",
+]
 
 
 def _gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -98,3 +104,40 @@ def matmul_reduce_scatter_reference(
     validate_operands("matmul_reduce_scatter", x, weight, bias, ws, "auto", None)
     y = _ReduceScatterRows.apply(F.linear(x, weight), group)
     return y if bias is None else y + _SumGradOverRanks.apply(bias, group)
+
+
+def gated_mlp_reference(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    group: Any = None,
+    *,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """``ReduceScatter_m((act(X W_gᵀ + b_g) ⊙ (X W_uᵀ + b_u)) W_dᵀ) + b_d``, ``X =
+    AllGather_m(x)``, in plain autograd (it saves ``X`` and every intermediate);
+    ``backend`` and ``chunks`` are accepted and ignored."""
+    ws = dist.get_world_size(group)
+    validate_gated_operands(
+        x,
+        gate_weight,
+        up_weight,
+        down_weight,
+        gate_bias,
+        up_bias,
+        down_bias,
+        act_fn,
+        ws,
+        "auto",
+        None,
+    )
+    big_x = _AllGatherRows.apply(x, group)
+    h = act_fn(F.linear(big_x, gate_weight, gate_bias)) * F.linear(big_x, up_weight, up_bias)
+    y = _ReduceScatterRows.apply(F.linear(h, down_weight), group)
+    return y if down_bias is None else y + _SumGradOverRanks.apply(down_bias, group)

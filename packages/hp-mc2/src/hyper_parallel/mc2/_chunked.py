@@ -1,0 +1,188 @@
+"""The ``torch`` backend: the dim-0 collectives split into chunks and overlapped with matmuls.
+
+Notation (README, "Design"): ``x`` is this rank's ``[m, k]`` rows, ``ws`` the group size,
+``X = AllGather_m(x)`` the ``[ws·m, k]`` rows of every rank in group-rank order. Each of the
+``m`` local rows is cut into the same ``splits``; chunk ``j`` of ``X`` is ``[ws, m_j, k]``
+(rows ``off_j … off_j + m_j - 1`` of every rank). The async collective of one chunk runs
+while the matmul of another computes; every chunk count, including 1, gives the same result.
+
+Buffers are allocated after the first collective of a phase has been started where that is
+possible, so gloo's own staging copy of that collective and the phase's outputs are not live
+at the same time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hyper_parallel.mc2._collectives import all_gather_async, reduce_scatter_async
+
+Splits = list[tuple[int, int]]
+
+
+def splits(rows: int, chunks: int) -> Splits:
+    """``(offset, length)`` of ``chunks`` near-equal, non-empty pieces of ``rows`` rows."""
+    chunks = max(1, min(chunks, rows))
+    base, extra = divmod(rows, chunks)
+    out, off = [], 0
+    for j in range(chunks):
+        length = base + (1 if j < extra else 0)
+        out.append((off, length))
+        off += length
+    return out
+
+
+class _Gather:
+    """Chunk-by-chunk ``AllGather_m(x)``: :meth:`next` returns chunk j as ``[ws, m_j, k]``
+    after starting chunk j+1, so the gather of j+1 runs under the caller's work on j."""
+
+    def __init__(self, x: torch.Tensor, group: Any, ws: int, parts: Splits) -> None:
+        self.x, self.group, self.ws, self.parts = x, group, ws, parts
+        self.j = 0
+        self.pending = self._start(0)
+
+    def _start(self, j: int) -> tuple[torch.Tensor, Any]:
+        off, mj = self.parts[j]
+        buf = self.x.new_empty(self.ws, mj, self.x.shape[1])
+        return buf, all_gather_async(buf.view(self.ws * mj, -1), self.x[off : off + mj], self.group)
+
+    def next(self) -> torch.Tensor:
+        buf, work = self.pending
+        work.wait()
+        self.j += 1
+        if self.j < len(self.parts):
+            self.pending = self._start(self.j)
+        return buf
+
+
+def gather_matmuls(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    group: Any,
+    ws: int,
+    parts: Splits,
+    *,
+    keep: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``[X @ Wᵢᵀ for Wᵢ in weights]`` (each ``[ws·m, n_i]``), one gather of ``X`` shared by
+    every weight. Returns the products and, when ``keep``, the gathered chunks (for dW)."""
+    m = x.shape[0]
+    gather = _Gather(x, group, ws, parts)
+    outs = [x.new_empty(ws * m, w.shape[0]) for w in weights]
+    kept = []
+    for off, mj in parts:
+        chunk = gather.next()
+        for w, out in zip(weights, outs):
+            if len(parts) == 1:
+                torch.mm(chunk.view(ws * m, -1), w.t(), out=out)
+            else:
+                out.view(ws, m, -1)[:, off : off + mj] = torch.matmul(chunk, w.t())
+        if keep:
+            kept.append(chunk)
+        del chunk
+    return outs, kept
+
+
+def matmuls_reduce_scatter_grads(
+    dys: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    x: torch.Tensor | None,
+    kept: Sequence[torch.Tensor],
+    group: Any,
+    ws: int,
+    parts: Splits,
+    *,
+    need_dx: bool,
+    need_dw: Sequence[bool],
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """Backward of :func:`gather_matmuls`: ``dX = ReduceScatter_m(Σᵢ dYᵢ @ Wᵢ)`` ``[m, k]`` and
+    ``dWᵢ = dYᵢᵀ @ X``. ``X`` comes from ``kept`` chunks, or is gathered again from ``x``
+    chunk by chunk (``kept`` empty), under the dX matmuls. Chunk j's dX is reduce-scattered
+    while chunk j's dW and chunk j+1's dX compute."""
+    k = weights[0].shape[1]
+    m = dys[0].shape[0] // ws
+    gather = _Gather(x, group, ws, parts) if any(need_dw) and not kept and x is not None else None
+    dx = dys[0].new_empty(m, k) if need_dx else None
+    dws = [dy.new_zeros(w.shape) if need else None for dy, w, need in zip(dys, weights, need_dw)]
+    single = len(parts) == 1
+    pending = []
+    for j, (off, mj) in enumerate(parts):
+        dyjs = [dy.view(ws, m, -1)[:, off : off + mj] for dy in dys]
+        if dx is not None:
+            partial = torch.matmul(dyjs[0], weights[0])  # [ws, m_j, k], summed over ranks below
+            for dyj, w in zip(dyjs[1:], weights[1:]):
+                partial.baddbmm_(dyj, w.expand(ws, *w.shape))
+            pending.append((reduce_scatter_async(dx[off : off + mj], partial, group), partial))
+            del partial
+        if any(need_dw):
+            xj = (gather.next() if gather is not None else kept[j]).view(ws * mj, k)
+            for dyj, dw in zip(dyjs, dws):
+                if dw is not None:
+                    g = dyj.reshape(ws * mj, -1) if not single else dyj.view(ws * mj, -1)
+                    dw.addmm_(g.t(), xj)
+            del xj
+    for work, _ in pending:
+        work.wait()
+    return dx, dws
+
+
+def matmul_reduce_scatter_fwd(
+    x: torch.Tensor, weight: torch.Tensor, group: Any, ws: int, parts: Splits
+) -> torch.Tensor:
+    """``Y = ReduceScatter_m(x @ Wᵀ)`` ``[m/ws, n]`` for ``x`` ``[m, k]``: chunk j's
+    reduce-scatter runs under chunk j+1's matmul."""
+    m, k = x.shape
+    mo, n = m // ws, weight.shape[0]
+    wt = weight.t()
+    x3 = x.view(ws, mo, k)
+    y = x.new_empty(mo, n)
+    pending = []
+    for off, mj in parts:
+        partial = torch.mm(x, wt) if len(parts) == 1 else torch.matmul(x3[:, off : off + mj], wt)
+        pending.append((reduce_scatter_async(y[off : off + mj], partial, group), partial))
+        del partial
+    for work, _ in pending:
+        work.wait()
+    return y
+
+
+def matmul_reduce_scatter_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: Any,
+    ws: int,
+    parts: Splits,
+    *,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of :func:`matmul_reduce_scatter_fwd`: ``dY_full = AllGather_m(dY)`` chunk by
+    chunk (chunk j+1 gathers under chunk j's work), ``dX = dY_full @ W`` ``[m, k]``,
+    ``dW = dY_fullᵀ @ x``, ``db = Σ_m dY_full``."""
+    n, k = weight.shape
+    mo = dy.shape[0]
+    gather = _Gather(dy, group, ws, parts)  # started before dX/dW are allocated
+    dx = dy.new_empty(ws * mo, k) if need_dx else None
+    dw = dy.new_zeros(n, k) if need_dw else None
+    db = dy.new_zeros(n) if need_db else None
+    x3 = x.view(ws, mo, k)
+    single = len(parts) == 1
+    for off, mj in parts:
+        g = gather.next()
+        if dx is not None:
+            if single:
+                torch.mm(g.view(ws * mo, n), weight, out=dx)
+            else:
+                dx.view(ws, mo, k)[:, off : off + mj] = torch.matmul(g, weight)
+        if dw is not None:
+            xj = x if single else x3[:, off : off + mj].reshape(ws * mj, k)
+            dw.addmm_(g.view(ws * mj, n).t(), xj)
+        if db is not None:
+            db.add_(g.sum(dim=(0, 1)))
+        del g
+    return dx, dw, db

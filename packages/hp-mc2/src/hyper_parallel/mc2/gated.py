@@ -1,0 +1,334 @@
+"""The gated MLP block of a tensor + sequence parallel layer as one autograd function.
+
+Notation (README, "Design"): ``x`` ``[m, D]`` is this rank's rows, ``X = AllGather_m(x)``
+``[ws·m, D]``; ``W_g, W_u`` ``[F/ws, D]`` and ``W_d`` ``[D, F/ws]`` are this rank's shards.
+
+    G = X W_gᵀ + b_g,   U = X W_uᵀ + b_u,   H = act(G) ⊙ U,   Y = ReduceScatter_m(H W_dᵀ) + b_d
+
+Backward, with ``dY_full = AllGather_m(dY)``:
+
+    dH = dY_full W_d,   dW_d = dY_fullᵀ H,   db_d = Σ dY_full
+    dU = dH ⊙ act(G),   dG = act'(G) ⊙ dH ⊙ U,   db_g = Σ dG,   db_u = Σ dU
+    dx = ReduceScatter_m(dG W_g + dU W_u),   dW_g = dGᵀ X,   dW_u = dUᵀ X
+
+One gather of ``X`` feeds both gate and up. Saved for backward: ``G`` and ``U`` only (not
+``X``, not ``act(G)``, not ``H``): ``H`` and ``act(G)`` are recomputed (one per-element pass)
+and ``X`` is gathered again in backward, under the ``dx`` matmuls (README, "Design", for the
+measurement behind this choice). ``act'`` comes from autograd on the module's own ``act``,
+which must be per-element (:mod:`hyper_parallel.mc2.activation`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.mc2._chunked import (
+    gather_matmuls,
+    matmul_reduce_scatter_bwd,
+    matmul_reduce_scatter_fwd,
+    matmuls_reduce_scatter_grads,
+    splits,
+)
+from hyper_parallel.mc2._collectives import all_gather_async
+from hyper_parallel.mc2.activation import check_elementwise_activation
+from hyper_parallel.mc2.backend import (
+    BACKENDS,
+    default_chunks,
+    dtype_name,
+    npu_constraint_failure,
+    validate_operands,
+)
+from hyper_parallel.mc2.npu_ops import current_npu_ops
+
+__all__ = ["gated_mlp", "select_gated_backend", "validate_gated_operands"]
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _gated(act: Act, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``H = act(G) ⊙ U`` without touching ``G`` (an identity ``act`` returns ``G`` itself)."""
+    a = act(g)
+    if a.untyped_storage().data_ptr() == g.untyped_storage().data_ptr():
+        return a * u
+    return a.mul_(u)
+
+
+def _act_grads(act: Act, g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor) -> tuple[Any, Any]:
+    """``(dG, dU)`` from ``dH``; consumes ``u`` and ``dh`` (overwritten in place)."""
+    with torch.enable_grad():
+        g_ = g.detach().requires_grad_()
+        a = act(g_)
+    gu = u.mul_(dh)  # dH ⊙ U, in U's storage
+    du = dh.mul_(a.detach())  # dH ⊙ act(G), in dH's storage
+    (dg,) = torch.autograd.grad(a, g_, gu)
+    return dg, du
+
+
+class _GatedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        wg: torch.Tensor,
+        wu: torch.Tensor,
+        wd: torch.Tensor,
+        bg: torch.Tensor | None,
+        bu: torch.Tensor | None,
+        bd: torch.Tensor | None,
+        act: Act,
+        group: Any,
+        backend: str,
+        chunks: int,
+    ) -> torch.Tensor:
+        ws = dist.get_world_size(group)
+        x, wg, wu, wd = (t.contiguous() for t in (x, wg, wu, wd))
+        fl = wg.shape[0]
+        ctx.group, ctx.ws, ctx.backend, ctx.act = group, ws, backend, act
+        ctx.has_bias = (bg is not None, bu is not None, bd is not None)
+        if backend == "npu":
+            ops = current_npu_ops()
+            hcom = ops.comm_name(group)
+            ctx.ops, ctx.hcom = ops, hcom
+            gu, _ = ops.npu_all_gather_base_mm(
+                x,
+                torch.cat([wg, wu]).t(),
+                hcom,
+                ws,
+                bias=None,
+                gather_index=0,
+                gather_output=False,
+            )
+            g, u = gu[:, :fl], gu[:, fl:]
+        else:
+            ctx.splits = splits(x.shape[0], chunks)
+            (g, u), _ = gather_matmuls(x, [wg, wu], group, ws, ctx.splits, keep=False)
+        if bg is not None:
+            g.add_(bg)
+        if bu is not None:
+            u.add_(bu)
+        h = _gated(act, g, u)
+        if backend == "npu":
+            y = ctx.ops.npu_mm_reduce_scatter_base(h, wd.t(), hcom, ws, reduce_op="sum", bias=None)
+        else:
+            y = matmul_reduce_scatter_fwd(h, wd, group, ws, ctx.splits)
+        del h
+        if bd is not None:
+            y.add_(bd)
+        ctx.save_for_backward(x, wg, wu, wd)
+        # Intermediates live on ctx (not save_for_backward) so backward can free them as soon
+        # as they are used; a second backward through the same graph is refused.
+        ctx.g, ctx.u = g, u
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        if not hasattr(ctx, "g"):
+            raise RuntimeError(
+                "gated_mlp: backward ran twice through the same graph; retain_graph=True is "
+                "not supported (the saved activations are freed as they are used)"
+            )
+        x, wg, wu, wd = ctx.saved_tensors
+        g, u = ctx.g, ctx.u
+        del ctx.g, ctx.u
+        need = ctx.needs_input_grad
+        need_x, need_wg, need_wu, need_wd = need[:4]
+        need_bg, need_bu, need_bd = need[4:7]
+        group, ws, act = ctx.group, ctx.ws, ctx.act
+        dy = dy.contiguous()
+        h = _gated(act, g, u)  # recomputed: one per-element pass instead of a saved [ws·m, F/ws]
+        if ctx.backend == "npu":
+            dh, dy_full = ctx.ops.npu_all_gather_base_mm(
+                dy, wd, ctx.hcom, ws, bias=None, gather_index=0, gather_output=True
+            )
+            dwd = dy_full.t() @ h if need_wd else None
+            dbd = dy_full.sum(0) if need_bd else None
+            del dy_full
+        else:
+            dh, dwd, dbd = matmul_reduce_scatter_bwd(
+                dy, h, wd, group, ws, ctx.splits, need_dx=True, need_dw=need_wd, need_db=need_bd
+            )
+        del h
+        dg, du = _act_grads(act, g, u, dh)
+        del g, u, dh
+        dbg = dg.sum(0) if need_bg else None
+        dbu = du.sum(0) if need_bu else None
+        dx = dwg = dwu = None
+        if ctx.backend == "npu":
+            if need_x:
+                dgu = torch.cat([dg, du], dim=1)
+                dx = ctx.ops.npu_mm_reduce_scatter_base(
+                    dgu, torch.cat([wg, wu]), ctx.hcom, ws, reduce_op="sum", bias=None
+                )
+                del dgu
+            if need_wg or need_wu:
+                big_x = x.new_empty(ws * x.shape[0], x.shape[1])
+                all_gather_async(big_x, x, group).wait()
+                dwg = dg.t() @ big_x if need_wg else None
+                dwu = du.t() @ big_x if need_wu else None
+        elif need_x or need_wg or need_wu:
+            dx, (dwg, dwu) = matmuls_reduce_scatter_grads(
+                [dg, du],
+                [wg, wu],
+                x,
+                [],
+                group,
+                ws,
+                ctx.splits,
+                need_dx=need_x,
+                need_dw=[need_wg, need_wu],
+            )
+        return dx, dwg, dwu, dwd, dbg, dbu, dbd, None, None, None, None
+
+
+def validate_gated_operands(
+    x: Any,
+    wg: Any,
+    wu: Any,
+    wd: Any,
+    bg: Any,
+    bu: Any,
+    bd: Any,
+    act: Any,
+    world_size: int,
+    backend: str,
+    chunks: int | None,
+) -> None:
+    """Local checks, the same on every rank for same-shaped operands; run before any collective."""
+    where = "gated_mlp"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    validate_operands("all_gather_matmul", x, wg, bg, world_size, "auto", chunks)
+    validate_operands("all_gather_matmul", x, wu, bu, world_size, "auto", chunks)
+    if tuple(wu.shape) != tuple(wg.shape):
+        raise ValueError(
+            f"{where}: gate weight {tuple(wg.shape)} and up weight {tuple(wu.shape)} differ "
+            "(both [F/ws, D])"
+        )
+    for name, t in (("down weight", wd), ("down bias", bd)):
+        if isinstance(t, DTensor):
+            raise TypeError(
+                f"{where}: {name} is a DTensor; the functional form takes this rank's local "
+                "tensors (pass .to_local())"
+            )
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    want = (wg.shape[1], wg.shape[0])
+    if wd.dim() != 2 or tuple(wd.shape) != want:
+        raise ValueError(f"{where}: down weight must be [D, F/ws] = {want}, got {tuple(wd.shape)}")
+    if bd is not None and tuple(bd.shape) != (want[0],):
+        raise ValueError(
+            f"{where}: down bias must be the full, replicated [D] = ({want[0]},), "
+            f"got {tuple(bd.shape)}"
+        )
+    for name, t, ref in (("up weight", wu, wg), ("down weight", wd, wg), ("down bias", bd, wd)):
+        if t is None:
+            continue
+        if t.device != ref.device:
+            other = "down weight" if ref is wd else "gate weight"
+            raise ValueError(f"{where}: {name} is on {t.device} but {other} is on {ref.device}")
+        if t.dtype != x.dtype:
+            raise TypeError(
+                f"{where}: x is {dtype_name(x.dtype)} but {name} is {dtype_name(t.dtype)}; "
+                "x, the weights and the biases must share one dtype"
+            )
+    check_elementwise_activation(act, where)
+
+
+def select_gated_backend(
+    x: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor, group: Any, backend: str
+) -> tuple[str, str]:
+    """``(choice, reason)`` for the gated block: ``npu`` needs both fused kernels' constraints
+    to hold for the gate+up projection (weights concatenated, ``[2F/ws, D]``) and for down."""
+    if backend == "torch":
+        return "torch", "backend='torch' requested"
+    ws = dist.get_world_size(group)
+    gu = torch.empty((2 * wg.shape[0], wg.shape[1]), dtype=wg.dtype, device="meta")
+    failure = npu_constraint_failure("all_gather_matmul", x, gu, ws)
+    if failure is None:
+        h = _rows_like(x, ws, wd.shape[1])
+        failure = npu_constraint_failure("matmul_reduce_scatter", h, wd, ws)
+    if backend == "npu":
+        if failure:
+            raise ValueError(f"backend='npu' cannot run gated_mlp: {failure}")
+        return "npu", "backend='npu' requested and every kernel constraint holds"
+    if failure:
+        return "torch", failure
+    return "npu", "tensors are on npu, the kernels are available and every constraint holds"
+
+
+def _rows_like(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A tensor standing in for ``H`` in the constraint check: its device type, dtype and
+    shape matter, not its data (a zero-stride expand allocates nothing)."""
+    return x.new_zeros(()).expand(rows, cols)
+
+
+def gated_mlp(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    group: Any = None,
+    *,
+    act_fn: Act,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """Sequence + tensor parallel gated MLP ``Y = ReduceScatter_m((act(X W_gᵀ + b_g) ⊙
+    (X W_uᵀ + b_u)) W_dᵀ) + b_d`` with ``X = AllGather_m(x)`` gathered once for gate and up.
+
+    Args:
+        x: ``[m, D]``, this rank's rows (a local tensor, not a DTensor); rank ``r`` holds rows
+            ``r·m … (r+1)·m - 1`` of the gathered ``[ws·m, D]``.
+        gate_weight, up_weight: ``[F/ws, D]``, this rank's output-feature shards.
+        down_weight: ``[D, F/ws]``, this rank's input-feature shard.
+        group: the tensor-parallel process group (``None``: the default group).
+        act_fn: a per-element activation (see :mod:`hyper_parallel.mc2.activation`).
+        gate_bias, up_bias: ``[F/ws]`` shards or ``None``; down_bias: ``[D]``, replicated.
+        backend: ``"auto"``, ``"torch"`` or ``"npu"`` (the matmul+collective implementation;
+            ``npu`` runs the torch_npu MC2 kernels: gate and up as one fused gather-matmul).
+        chunks: ``torch`` backend only: pieces ``m`` is split into for overlap (``None``: from
+            the shapes and device type alone, identical on every rank).
+
+    Returns:
+        ``[m, D]``: this rank's rows of the output. Gradients: ``dx`` ``[m, D]``, the weight and
+        gate/up bias gradients are this rank's shards, ``db_d`` the full sum (replicated).
+    """
+    ws = dist.get_world_size(group)
+    validate_gated_operands(
+        x,
+        gate_weight,
+        up_weight,
+        down_weight,
+        gate_bias,
+        up_bias,
+        down_bias,
+        act_fn,
+        ws,
+        backend,
+        chunks,
+    )
+    choice, _ = select_gated_backend(x, gate_weight, down_weight, group, backend)
+    if chunks is None:
+        chunks = default_chunks(x.shape[0], x.shape[1], 2 * gate_weight.shape[0], ws, x.device.type)
+    return _GatedMLP.apply(
+        x,
+        gate_weight,
+        up_weight,
+        down_weight,
+        gate_bias,
+        up_bias,
+        down_bias,
+        act_fn,
+        group,
+        choice,
+        chunks,
+    )
