@@ -163,3 +163,155 @@ def rank_parallel(combos: list[tuple[str, str, bool]]) -> dict[tuple, dict[str, 
         res["same_parameters"] = params == [id(q) for q in m.parameters()]
         results[(variant, strategy, overlap)] = res
     return results
+
+
+# ---- whole models: what a model-level package does ------------------------------------------
+MODEL_VARIANTS = ("deepseek_interleave", "kimi_qlora")
+
+
+def build_model(variant: str, attn: str, seed: int = 0) -> nn.Module:
+    """A 2-layer stock base model (dense MLPs, MLA layers only), float64."""
+    from transformers import DeepseekV3Model, KimiLinearModel
+
+    cfg = config(variant, layers=2, attn=attn)
+    cls = DeepseekV3Model if VARIANTS[variant][0] == "deepseek" else KimiLinearModel
+    torch.manual_seed(seed)
+    model = cls(cfg).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def model_ids(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (BATCH, SEQ), generator=g)
+    dy = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=g)
+    return ids, dy
+
+
+def _run_model(model: nn.Module, ids, dy, positions) -> dict[str, Any]:
+    out = model(input_ids=ids, position_ids=positions[None], use_cache=False).last_hidden_state
+    out.backward(dy)
+    return {
+        "out": out.detach(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    }
+
+
+def serial_model_reference(variant: str) -> dict[str, Any]:
+    ids, dy = model_ids()
+    return _run_model(build_model(variant, "sdpa"), ids, dy, torch.arange(SEQ))
+
+
+def rank_models(cases: list[tuple[str, str, str]]) -> dict[tuple, dict[str, Any]]:
+    """Each (variant, attn_implementation, strategy): parallelize every layer's self_attn,
+    call the model on this rank's block of input_ids with the global position_ids (the model
+    builds its own RoPE tables and causal mask from them); record the mask the attention got."""
+    mesh = cp_mesh()
+    p, r = mesh.size(), mesh.get_local_rank()
+    results = {}
+    for variant, attn, strategy in cases:
+        model = build_model(variant, attn)
+        masks: list[Any] = []
+        for layer in model.layers:
+            parallelize_mla(layer.self_attn, mesh, strategy=strategy)
+            layer.self_attn.register_forward_pre_hook(
+                lambda mod, args, kwargs, seen=masks: seen.append(kwargs.get("attention_mask")),
+                with_kwargs=True,
+            )
+        ids, dy = model_ids()
+        block = torch.arange(r * SEQ // p, (r + 1) * SEQ // p)
+        res = _run_model(model, shard_sequence(ids, mesh), shard_sequence(dy, mesh), block)
+        m0 = masks[0]
+        res["mask"] = None if m0 is None else (tuple(m0.shape), str(m0.dtype))
+        results[(variant, attn, strategy)] = res
+    return results
+
+
+# ---- rejected calls -------------------------------------------------------------------------
+def rank_hf_errors() -> dict[str, Any]:
+    """Every rejected input of a stock module, on every rank (type, message), with no
+    collective launched; accepted masks; then the module still works and can be undone."""
+    from transformers import DynamicCache
+
+    from hyper_parallel.context_parallel import record_events, unparallelize_mla
+
+    mesh = cp_mesh()
+    p, r = mesh.size(), mesh.get_local_rank()
+    sl = SEQ // p
+    variant = "deepseek_rotate_half_yarn_qlora"
+    m = build(variant)
+    params, keys = [id(q) for q in m.parameters()], list(m.state_dict())
+    x, _ = inputs()
+    xl = shard_sequence(x, mesh)
+    block = torch.arange(r * sl, (r + 1) * sl)
+    causal = torch.ones(sl, sl).tril().bool()
+    neg = torch.finfo(torch.float64).min
+    additive = torch.zeros(BATCH, 1, sl, sl, dtype=torch.float64).masked_fill(~causal, neg)
+    padded = additive.clone()
+    padded[1, :, :, 0] = neg  # the second sequence is left-padded: not plain causal
+    global_rows = (torch.arange(SEQ)[None, :] <= block[:, None])[None, None]  # [1,1,Sl,S]
+
+    def run(**kw: Any) -> Any:
+        return lambda: call(m, variant, xl, block, **kw)
+
+    def model_with_default_cache() -> Any:
+        model = build_model(variant, "sdpa")
+        for layer in model.layers:
+            parallelize_mla(layer.self_attn, mesh)
+        ids, _ = model_ids()
+        return model(input_ids=shard_sequence(ids, mesh), position_ids=block[None])
+
+    cases: dict[str, Any] = {
+        "unknown_family": lambda: parallelize_mla(nn.Linear(2, 2), mesh),
+        "heads_not_divisible": lambda: parallelize_mla(build(variant, heads=3), mesh),
+    }
+    report: dict[str, Any] = {}
+    with record_events() as rec:
+        for name, fn in cases.items():
+            report[name] = _outcome(fn)
+        parallelize_mla(m, mesh, strategy="latent")
+        calls = {
+            "past_key_values": run(past_key_values=DynamicCache(config=m.config)),
+            "model_default_use_cache": model_with_default_cache,
+            "padding_mask": run(attention_mask=padded),
+            "bool_mask_not_causal": run(attention_mask=torch.ones(1, 1, sl, sl, dtype=torch.bool)),
+            "mask_2d": run(attention_mask=torch.ones(BATCH, sl)),
+            "mask_on_one_rank": run(attention_mask=padded if r == 1 else None),
+            "hidden_width": lambda: call(m, variant, xl[..., :-1], block),
+            "rope_of_full_sequence": run(position_embeddings=rope_tables(m, torch.arange(SEQ))),
+            "packed": run(cu_seq_lens_q=torch.tensor([0, sl])),
+            "blocks_differ": lambda: call(m, variant, xl[:, : sl - r], block[: sl - r]),
+        }
+        for name, fn in calls.items():
+            report[name] = _outcome(fn)
+        m.train()
+        m.attention_dropout = 0.1
+        report["dropout_in_training"] = _outcome(run())
+        m.attention_dropout = 0.0
+        report["launches_during_errors"] = [e.name for e in rec.events if e.kind == "launch"]
+
+    plain = call(m, variant, xl, block)[0].detach()
+    report["accepted_masks_agree"] = all(
+        torch.equal(call(m, variant, xl, block, attention_mask=mask)[0].detach(), plain)
+        for mask in (additive, causal[None, None], global_rows)
+    )
+    report["output"] = plain
+    unparallelize_mla(m)
+    report["undone"] = (
+        type(m) is DeepseekV3Attention
+        and [id(q) for q in m.parameters()] == params
+        and list(m.state_dict()) == keys
+    )
+    report["serial_after_undo"] = call(m, variant, x, torch.arange(SEQ))[0].detach()
+    return report
+
+
+def _outcome(fn: Any) -> tuple[str, str]:
+    try:
+        fn()
+        return ("no error", "")
+    except Exception as e:
+        return (type(e).__name__, str(e))

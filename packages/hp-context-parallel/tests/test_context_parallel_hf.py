@@ -53,3 +53,84 @@ def test_the_variants_cover_both_rope_layouts_yarn_q_lora_and_nope():
     assert ("deepseek", True, True, False) in fams  # interleaved, no q LoRA
     assert any(f[0] == "deepseek" and not f[2] and f[3] for f in fams)  # rotate-half + yarn
     assert {f[1] for f in fams if f[0] == "kimi"} == {True, False}
+
+
+MODEL_CASES = [
+    (v, attn, s)
+    for v in ("deepseek_interleave", "kimi_qlora")
+    for attn in ("sdpa", "eager")
+    for s in ("expanded", "latent")
+]
+
+
+@pytest.mark.timeout(300)
+def test_whole_stock_models_with_parallel_mla_layers_equal_the_serial_model():
+    """What a model-level package does: every MLA layer parallelized, the model called on the
+    rank's block with global position_ids (use_cache=False); the model builds the RoPE tables
+    and the causal mask itself (sdpa: None; eager: the block's 4-D causal mask)."""
+    from _cp_hf import rank_models, serial_model_reference
+
+    world = 2
+    results = run_distributed(rank_models, world, MODEL_CASES, timeout=TIMEOUT)
+    refs = {v: serial_model_reference(v) for v in {c[0] for c in MODEL_CASES}}
+    tol = dict(rtol=1e-9, atol=1e-10)
+    for case in MODEL_CASES:
+        variant, attn, _ = case
+        ref, per_rank = refs[variant], [r[case] for r in results]
+        torch.testing.assert_close(torch.cat([r["out"] for r in per_rank], 1), ref["out"], **tol)
+        assert set(per_rank[0]["grads"]) == set(ref["grads"])
+        for name, g in ref["grads"].items():
+            summed = sum(r["grads"][name] for r in per_rank)
+            where = f"{case} {name}"
+            torch.testing.assert_close(summed, g, **tol, msg=lambda m, w=where: f"{w}: {m}")
+        expected_mask = None if attn == "sdpa" else ((2, 1, 8, 8), "torch.float64")
+        assert all(r["mask"] == expected_mask for r in per_rank), [r["mask"] for r in per_rank]
+
+
+HF_ERRORS = {
+    "unknown_family": (
+        "TypeError",
+        "supports MultiHeadLatentAttention, DeepseekV3Attention, KimiLinearAttention",
+    ),
+    "heads_not_divisible": ("ValueError", "num_heads (3) is not divisible by the CP size 2"),
+    "past_key_values": ("ValueError", "past_key_values must be None"),
+    "model_default_use_cache": ("ValueError", "use_cache=False"),
+    "padding_mask": ("ValueError", "not the causal pattern"),
+    "bool_mask_not_causal": ("ValueError", "not the causal pattern"),
+    "mask_2d": ("ValueError", "expected a 4-D tensor"),
+    "hidden_width": ("ValueError", "hidden_states must be this rank's sequence block"),
+    "rope_of_full_sequence": ("ValueError", "position_embeddings must be (cos, sin)"),
+    "packed": ("ValueError", "packed sequences (cu_seq_lens_q)"),
+    "blocks_differ": ("ValueError", "blocks differ in (B, S/P): [(2, 8), (2, 7)]"),
+    "dropout_in_training": ("ValueError", "attention dropout 0.1 is not supported"),
+}
+
+
+@pytest.mark.timeout(300)
+def test_stock_module_rejects_bad_calls_on_every_rank_before_communicating():
+    from _cp_hf import rank_hf_errors, serial_reference
+
+    reports = run_distributed(rank_hf_errors, 2, timeout=TIMEOUT)
+    for rank, rep in enumerate(reports):
+        for case, (exc, fragment) in HF_ERRORS.items():
+            assert rep[case][0] == exc, f"rank {rank} {case}: {rep[case]}"
+            assert fragment in rep[case][1], f"rank {rank} {case}: {rep[case][1]!r}"
+        assert rep["launches_during_errors"] == []
+        assert rep["accepted_masks_agree"]
+        assert rep["undone"]
+    for case in HF_ERRORS:  # the same text on every rank when every rank got the bad input
+        if case != "blocks_differ":
+            assert reports[0][case] == reports[1][case], case
+    assert reports[0]["blocks_differ"] == reports[1]["blocks_differ"]
+    # a bad mask on rank 1 only: rank 1 explains it, rank 0 names rank 1; both raise
+    assert reports[1]["mask_on_one_rank"][0] == "ValueError"
+    assert "not the causal pattern" in reports[1]["mask_on_one_rank"][1]
+    assert reports[0]["mask_on_one_rank"] == (
+        "ValueError",
+        "context-parallel MLA forward: rank(s) [1] rejected their call (attention_mask is "
+        "neither None nor plain causal); no rank communicated",
+    )
+    ref = serial_reference("deepseek_rotate_half_yarn_qlora")["out"]
+    torch.testing.assert_close(torch.cat([r["output"] for r in reports], 1), ref)
+    for rep in reports:
+        torch.testing.assert_close(rep["serial_after_undo"], ref, rtol=0, atol=0)
