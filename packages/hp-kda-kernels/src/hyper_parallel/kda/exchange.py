@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hyper_parallel.dtensor import all_gather_single
+
 from ._checks import check_summary_pair
 from .cost import CostParams, ProtocolChoice, choose_protocol, grouped_widths
 from .merge import affine_merge, affine_scan, choose_backend
@@ -24,10 +26,6 @@ __all__ = ["PROTOCOLS", "StateExchange", "build_state_exchange"]
 PROTOCOLS = ("p2p", "allgather", "grouped", "auto")
 
 _TAG_FWD, _TAG_BWD = 7301, 7302
-
-# torch >= 2.13 names the dim-0 concatenating all-gather ``all_gather_single``; older releases
-# (down to the 2.7.1 that Ascend ships for) only have ``all_gather_into_tensor``.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _validate(S: torch.Tensor, M: torch.Tensor, device_type: str, backend: str, what: str) -> None:
@@ -130,7 +128,7 @@ def _gather_packed(
     else:
         # Concatenated along dim 0 (the form every backend accepts), then viewed per slot.
         flat = packed.new_empty(width * packed.shape[0], *packed.shape[1:])
-        _all_gather_single(flat, packed, group=group)
+        all_gather_single(flat, packed, group=group)
         gathered = flat.view(width, *packed.shape)
     return gathered[..., :V], gathered[..., V:]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ._checks import check_chunk_size, check_kernel_dims, check_qkv
 from .chunk import chunk_terms, compose_chunks, run_chunks
@@ -22,12 +23,23 @@ from .exchange import StateExchange, build_state_exchange
 __all__ = ["kda_context_parallel"]
 
 _EXECUTORS: dict[tuple[Any, ...], StateExchange] = {}
+# The default group the cached executors belong to. DeviceMesh compares by structure, so after
+# ``destroy_process_group`` and a new ``init_process_group`` an equal mesh of the new world
+# would find the executor bound to the destroyed groups: a new world empties the cache (as
+# hp-dtensor's group cache does), and the key holds the mesh's own group object as well.
+_WORLD: object = None
 
 
-def _executor(
+def executor_for(
     mesh: Any, protocol: str, group_size: int | None, backend: str, params: CostParams | None
 ) -> StateExchange:
-    key = (mesh, protocol, group_size, backend, params)
+    """The cached :func:`build_state_exchange` executor for these arguments in this world."""
+    global _WORLD
+    if _WORLD is not dist.group.WORLD:
+        _EXECUTORS.clear()
+        _WORLD = dist.group.WORLD
+    group = mesh.get_group(0) if getattr(mesh, "ndim", None) == 1 else None
+    key = (mesh, group, protocol, group_size, backend, params)
     ex = _EXECUTORS.get(key)
     if ex is None:
         ex = _EXECUTORS[key] = build_state_exchange(
@@ -37,12 +49,16 @@ def _executor(
 
 
 class _ExchangeFn(torch.autograd.Function):
-    """``(S_r, M_r) ↦ h_in(r)``; keeps only the rank's own ``M`` and ``h_in`` for backward."""
+    """``(S_r, M_r) ↦ h_in(r)``; keeps only the rank's own ``M`` and ``h_in`` for backward.
+    ``anchors`` (no gradient) only tie the node into the graph of a rank with an empty chunk."""
 
     @staticmethod
-    def forward(ctx: Any, S: torch.Tensor, M: torch.Tensor, ex: StateExchange) -> torch.Tensor:
+    def forward(
+        ctx: Any, S: torch.Tensor, M: torch.Tensor, ex: StateExchange, *anchors: torch.Tensor
+    ) -> torch.Tensor:
         h_in = ex.forward(S, M)
         ctx.ex = ex
+        ctx.n_anchors = len(anchors)
         ctx.save_for_backward(M, h_in)
         return h_in
 
@@ -50,7 +66,7 @@ class _ExchangeFn(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         M, h_in = ctx.saved_tensors
         g_out = ctx.ex.backward(grad.to(torch.float32).contiguous(), M)
-        return g_out, g_out @ h_in.transpose(-1, -2), None
+        return (g_out, g_out @ h_in.transpose(-1, -2), None, *([None] * ctx.n_anchors))
 
 
 def kda_context_parallel(
@@ -91,25 +107,33 @@ def kda_context_parallel(
     dev_type = str(getattr(mesh, "device_type", "cpu"))
     if q.device.type != dev_type:
         raise ValueError(f"inputs on {q.device} but the mesh is a {dev_type!r} mesh")
-    ex = _executor(mesh, protocol, group_size, backend, cost_params)
+    ex = executor_for(mesh, protocol, group_size, backend, cost_params)
     first = ex.position == 0
     last = ex.position == ex.world_size - 1
     if scale is None:
         scale = K**-0.5
     f32 = [x.to(torch.float32) for x in (q, k, v, g, beta)]
     h0 = initial_state.to(torch.float32) if (first and initial_state is not None) else None
+    anchors: tuple[torch.Tensor, ...] = ()
     if T == 0:
+        # An empty chunk is the identity map. Its summary depends on no input, so the inputs
+        # ride along as anchors: the exchange stays in this rank's autograd graph (and its
+        # collective backward runs here too) whenever an input requires grad.
         S = q.new_zeros(B, H, K, V, dtype=torch.float32)
         M = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, H, K, K).contiguous()
+        anchors = (q, k, v, g, beta)
     else:
         terms = chunk_terms(f32[0], f32[1], f32[2], f32[3], f32[4], scale, chunk_size)
         S, M = compose_chunks(terms)
     if h0 is not None:
         S = M @ h0 + S
-    h_x = _ExchangeFn.apply(S.contiguous(), M.contiguous(), ex)
+    h_x = _ExchangeFn.apply(S.contiguous(), M.contiguous(), ex, *anchors)
     h_in = h_x + h0 if h0 is not None else h_x
     if T == 0:
-        o, h_out = v.new_zeros(B, 0, H, V, dtype=torch.float32), h_in
+        # o = q h_in over zero tokens: empty, but linked to the exchange, so a loss over this
+        # rank's (empty) output still reaches the exchange's backward.
+        o = (f32[0].transpose(1, 2) @ h_in).transpose(1, 2)
+        h_out = h_in
     else:
         o, h_out = run_chunks(terms, h_in, T)
     return o.to(v.dtype), (h_out if output_final_state and last else None)

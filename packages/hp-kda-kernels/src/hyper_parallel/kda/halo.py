@@ -1,0 +1,224 @@
+"""The causal short-convolution halo: the ``W − 1`` rows before a rank's block, from its peers.
+
+A causal depthwise convolution of width ``W`` over the sequence reads, for token ``t``, the
+pre-convolution rows ``t − W + 1 … t``. With the sequence split into contiguous blocks across
+the ranks of a 1-D mesh (rank ``r`` holds block ``r``), the first ``W − 1`` outputs of a block
+need the last ``W − 1`` rows of everything before it: the halo. On the first rank the halo is
+zeros, exactly the serial convolution's zero padding.
+
+Exchange (forward): every rank posts one receive from its predecessor and one send to its
+successor, whatever the block lengths. The row block a rank sends is the last ``W − 1`` rows of
+``[halo ; block]``: a block of at least ``W − 1`` rows sends its own tail at once (no
+dependency, one hop in total); a shorter block (empty included) first waits for its own halo
+and forwards the rows it passes on, so the halo spans as many ranks as it has to. Backward is
+the mirror image: the gradient of a rank's halo goes to its predecessor, and the gradient of
+the rows a rank sent comes back from its successor; a short block adds the part that belongs
+to the rows it forwarded before sending its halo gradient on. Waits only ever point towards
+the first rank (forward) or the last rank (backward), so the chain cannot deadlock.
+
+:func:`start_causal_conv_halo` launches the exchange and returns a :class:`PendingHalo`;
+``wait()`` returns the halo. Work placed between the two (e.g. a layer's gate projections)
+overlaps the transfer, in the backward pass too: the gradient exchange is launched by the
+``wait`` node's backward and completed by the launch node's backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["PendingHalo", "causal_conv_halo", "start_causal_conv_halo"]
+
+_TAG_FWD, _TAG_BWD = 7311, 7312
+
+
+def _route(mesh_or_group: Any) -> tuple[Any, int | None, int | None, str | None]:
+    """``(group, previous global rank or None, next global rank or None, mesh device type)``."""
+    from hyper_parallel.dtensor import DeviceMesh, rank_list
+
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim != 1:
+            raise ValueError(f"the halo mesh must be 1-D, got {mesh_or_group!r}")
+        ranks = list(rank_list(mesh_or_group))
+        group, device_type = mesh_or_group.get_group(0), str(mesh_or_group.device_type)
+    elif isinstance(mesh_or_group, ProcessGroup):
+        group, device_type = mesh_or_group, None
+        ranks = [dist.get_global_rank(group, i) for i in range(group.size())]
+    else:
+        raise ValueError(
+            "causal_conv_halo needs a 1-D DeviceMesh or a ProcessGroup (ranks in block order), "
+            f"got {type(mesh_or_group).__name__}"
+        )
+    me = ranks.index(dist.get_rank())
+    prev = ranks[me - 1] if me > 0 else None
+    nxt = ranks[me + 1] if me + 1 < len(ranks) else None
+    return group, prev, nxt, device_type
+
+
+def _check(x: Any, width: Any, seq_dim: Any) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ValueError(
+            f"width must be a positive int (the convolution's kernel size), got {width!r}"
+        )
+    if (
+        not isinstance(seq_dim, int)
+        or isinstance(seq_dim, bool)
+        or not -x.dim() <= seq_dim < x.dim()
+    ):
+        raise ValueError(f"seq_dim {seq_dim!r} is not a dim of x with shape {tuple(x.shape)}")
+    return seq_dim % x.dim()
+
+
+class PendingHalo:
+    """A halo exchange in flight; :meth:`wait` returns the halo (differentiable).
+
+    Owns every piece of the exchange's state: the communication handles and buffers of both
+    directions, written and read only by its own methods.
+    """
+
+    def __init__(
+        self, group: Any, prev: int | None, nxt: int | None, width: int, seq_dim: int
+    ) -> None:
+        self._group, self._prev, self._next = group, prev, nxt
+        self._n = width - 1
+        self._seq_dim = seq_dim
+        self._m = 0  # rows of this rank's own block that enter the outgoing rows
+        self._works: list[Any] = []
+        self._keep: list[torch.Tensor] = []  # buffers of sends in flight
+        self._recv_grad: torch.Tensor | None = None
+        self._halo: torch.Tensor | None = None
+
+    # ---- forward ----------------------------------------------------------------------------
+    def _launch(self, tail: torch.Tensor) -> torch.Tensor:
+        """``tail``: the block's last ``m = min(T, W−1)`` rows, ``[m, *rest]``. Returns the
+        receive buffer ``[W−1, *rest]`` (filled once the exchange completes)."""
+        n, m = self._n, tail.shape[0]
+        self._m = m
+        buf = tail.new_zeros(n, *tail.shape[1:])
+        recv = None
+        if self._prev is not None:
+            recv = dist.irecv(buf, src=self._prev, group=self._group, tag=_TAG_FWD)
+        if self._next is not None:
+            if m < n and recv is not None:  # a short block forwards rows of its own halo
+                recv.wait()
+                recv = None
+            out = tail if m == n else torch.cat([buf[m:], tail])
+            out = out.contiguous()
+            self._keep.append(out)
+            self._works.append(dist.isend(out, dst=self._next, group=self._group, tag=_TAG_FWD))
+        if recv is not None:
+            self._works.insert(0, recv)  # the receive is waited for first
+        return buf
+
+    def _finish(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works.clear()
+        self._keep.clear()
+
+    # ---- backward ---------------------------------------------------------------------------
+    def _launch_backward(self, grad_halo: torch.Tensor) -> None:
+        """``grad_halo [W−1, *rest]``: this rank's halo gradient; send it (plus, for a short
+        block, the gradient of the forwarded rows) to the predecessor."""
+        n, m = self._n, self._m
+        grad_out = grad_halo.new_zeros(grad_halo.shape)  # gradient of the rows this rank sent
+        recv = None
+        if self._next is not None:
+            recv = dist.irecv(grad_out, src=self._next, group=self._group, tag=_TAG_BWD)
+        self._recv_grad = grad_out
+        if self._prev is not None:
+            to_prev = grad_halo.contiguous()
+            if m < n:
+                if recv is not None:
+                    recv.wait()
+                    recv = None
+                to_prev = to_prev.clone()
+                to_prev[m:] += grad_out[: n - m]
+            self._keep.append(to_prev)
+            self._works.append(dist.isend(to_prev, dst=self._prev, group=self._group, tag=_TAG_BWD))
+        if recv is not None:
+            self._works.insert(0, recv)
+
+    def _finish_backward(self) -> torch.Tensor:
+        """Gradient of the block's last ``m`` rows, ``[m, *rest]``."""
+        self._finish()
+        grad_out, self._recv_grad = self._recv_grad, None
+        assert grad_out is not None
+        return grad_out[self._n - self._m :]
+
+    # ---- public -----------------------------------------------------------------------------
+    def wait(self) -> torch.Tensor:
+        """Complete the exchange; returns the halo: ``x``'s shape with ``W − 1`` rows along
+        ``seq_dim`` (zeros on the first rank). Call once."""
+        if self._halo is None:
+            raise RuntimeError("PendingHalo.wait() was already called")
+        buf, self._halo = self._halo, None
+        return _Wait.apply(buf, self).movedim(0, self._seq_dim)
+
+
+class _Launch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tail: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
+        ctx.pending = pending
+        return pending._launch(tail.detach())
+
+    @staticmethod
+    def backward(ctx: Any, _unused: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.pending._finish_backward(), None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, buf: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
+        ctx.pending = pending
+        pending._finish()
+        return buf.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ctx.pending._launch_backward(grad)
+        return grad, None  # only orders the launch node's backward after this one
+
+
+def start_causal_conv_halo(
+    x: torch.Tensor, width: int, mesh: Any, *, seq_dim: int = 1
+) -> PendingHalo:
+    """Launch the halo exchange for a causal convolution of kernel size ``width``.
+
+    ``x``: this rank's block of pre-convolution rows (any shape; the sequence runs along
+    ``seq_dim``, any length including 0; the other dims must match across ranks). ``mesh``: a
+    1-D DeviceMesh (or a ProcessGroup) whose rank order is the block order. Returns a
+    :class:`PendingHalo`; its ``wait()`` gives the ``width − 1`` rows preceding the block in the
+    global sequence (zeros where the sequence has none). Differentiable: the halo's gradient
+    returns to the ranks whose rows it holds. Every rank must call it (and, when gradients are
+    needed, run backward through the halo) in the same order. Errors (``ValueError``) are
+    raised before any communication.
+    """
+    seq_dim = _check(x, width, seq_dim)
+    group, prev, nxt, device_type = _route(mesh)
+    if device_type is not None and x.device.type != device_type:
+        raise ValueError(f"x is on {x.device} but the mesh is a {device_type!r} mesh")
+    pending = PendingHalo(group, prev, nxt, width, seq_dim)
+    T, n = x.shape[seq_dim], width - 1
+    if n == 0 or (prev is None and nxt is None):
+        shape = list(x.shape)
+        shape[seq_dim] = n
+        pending._halo = x.new_zeros(shape).movedim(seq_dim, 0)
+        pending._works.clear()
+        pending._next = pending._prev = None
+        return pending
+    tail = x.narrow(seq_dim, T - min(T, n), min(T, n)).movedim(seq_dim, 0)
+    pending._halo = _Launch.apply(tail, pending)
+    return pending
+
+
+def causal_conv_halo(x: torch.Tensor, width: int, mesh: Any, *, seq_dim: int = 1) -> torch.Tensor:
+    """The ``width − 1`` pre-convolution rows before this rank's block (blocking form of
+    :func:`start_causal_conv_halo`); ``torch.cat([halo, x], seq_dim)`` convolved without
+    padding gives the serial causal convolution's outputs for the block."""
+    return start_causal_conv_halo(x, width, mesh, seq_dim=seq_dim).wait()

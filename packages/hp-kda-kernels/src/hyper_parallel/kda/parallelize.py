@@ -1,0 +1,228 @@
+"""``parallelize_kda``: context parallelism for a stock KDA layer, applied from outside.
+
+Supported: Hugging Face ``KimiLinearDeltaAttention`` (transformers' Kimi-Linear), recognised by
+class name and attributes (this package never imports transformers). Rank ``r`` of the 1-D CP
+mesh holds block ``r`` of the sequence; the rewritten forward takes that block of
+``hidden_states`` ``[B, T_r, D]`` and returns the same rows of the serial layer's output:
+
+1. ``q_proj``, ``k_proj``, ``v_proj`` (local) give the pre-convolution rows ``[B, T_r, 3·H·K]``;
+2. the halo exchange of their previous ``W − 1`` rows is launched
+   (:func:`~hyper_parallel.kda.halo.start_causal_conv_halo`);
+3. meanwhile the per-token projections run: ``forget_gate`` (g), ``b_proj`` (β),
+   ``g_a_proj``/``g_b_proj`` (the output gate);
+4. the halo arrives; the depthwise causal convolution over ``[halo ; block]`` without padding
+   and the module's activation give q, k, v; q and k are l2-normalised in fp32;
+5. the recurrence runs through :func:`~hyper_parallel.kda.kda_context_parallel`;
+6. the gated output norm ``o_norm`` and ``o_proj`` are local.
+
+The module keeps its class (a subclass is swapped in), its Parameters and its forward
+signature; :func:`unparallelize_kda` restores the class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .exchange import PROTOCOLS
+from .halo import start_causal_conv_halo
+from .layer import executor_for, kda_context_parallel
+
+__all__ = ["SUPPORTED_KDA_CLASSES", "parallelize_kda", "unparallelize_kda"]
+
+SUPPORTED_KDA_CLASSES = ("KimiLinearDeltaAttention",)
+"""Class names :func:`parallelize_kda` accepts (Hugging Face transformers' Kimi-Linear)."""
+
+_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj",
+               "g_b_proj", "o_norm", "o_proj", "num_heads", "head_dim", "conv_kernel_size",
+               "activation", "hidden_size")  # fmt: skip
+_STATE = "_hp_kda_state"
+
+# The activations transformers' ACT2FN gives these names, as plain torch functions.
+_ACTIVATIONS: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
+    None: lambda x: x,
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+}
+_L2_EPS = 1e-6  # the eps of Kimi-Linear's q/k l2-norm: x / sqrt(Σx² + eps)
+
+
+@dataclass(frozen=True)
+class _KDAState:
+    mesh: Any
+    protocol: str
+    group_size: int | None
+    original_class: type
+    activation: Callable[[torch.Tensor], torch.Tensor]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _KDAState:
+        return self  # a deep copy of a rewritten layer is rewritten too, on the same mesh
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + _L2_EPS)
+
+
+def _check_call(
+    module: Any, hidden_states: Any, cache_params: Any, attention_mask: Any, kwargs: dict
+) -> None:
+    """Everything a forward call can get wrong, before any communication."""
+    if cache_params is not None:
+        raise ValueError(
+            "parallelize_kda: cache_params (a generation cache) is not supported under context "
+            "parallelism (training only); run the model with use_cache=False"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            "parallelize_kda: an attention_mask (padding) is not supported under context "
+            "parallelism; pass none (KimiLinearModel turns an all-ones mask into None)"
+        )
+    for name in ("cu_seqlens", "seq_idx"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"parallelize_kda: packed sequences ({name}) are not supported")
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        raise ValueError("parallelize_kda: hidden_states must be this rank's block [B, T_r, D]")
+    if hidden_states.shape[-1] != module.hidden_size:
+        raise ValueError(
+            f"parallelize_kda: hidden_states has {hidden_states.shape[-1]} features, the layer "
+            f"expects {module.hidden_size}"
+        )
+
+
+def _cp_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    cache_params: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    state: _KDAState = getattr(self, _STATE)
+    _check_call(self, hidden_states, cache_params, attention_mask, kwargs)
+    x = hidden_states
+    B, T, _ = x.shape
+    heads = (B, T, self.num_heads, self.head_dim)
+    mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+    pending = start_causal_conv_halo(mixed, self.conv_kernel_size, state.mesh, seq_dim=1)
+    if T:
+        g = self.forget_gate(x)
+    else:  # the stock gate cannot reshape an empty block: run it on one zero row, keep none
+        g = self.forget_gate(x.new_zeros(B, 1, x.shape[-1]))[:, :0]
+    beta = torch.sigmoid(self.b_proj(x))
+    gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
+    rows = torch.cat([pending.wait(), mixed], dim=1).transpose(1, 2)  # [B, C, W-1+T]
+    weight = self.conv1d.weight  # [C, 1, W]
+    if T:
+        conv = F.conv1d(rows.to(weight.dtype), weight, self.conv1d.bias, groups=weight.shape[0])
+    else:  # no outputs, but still tied to the halo: its backward must run on this rank too
+        conv = rows[..., :0].to(weight.dtype)
+    conv = state.activation(conv).to(mixed.dtype).transpose(1, 2)
+    q, k, v = (t.reshape(heads) for t in conv.split(self.num_heads * self.head_dim, dim=-1))
+    o, _ = kda_context_parallel(
+        _l2norm(q.float()), _l2norm(k.float()), v, g, beta, state.mesh,
+        protocol=state.protocol, group_size=state.group_size,
+    )  # fmt: skip
+    return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.num_heads * self.head_dim))
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _cp_class(cls: type) -> type:
+    if cls not in _CLASSES:
+
+        def forward(
+            self: Any,
+            hidden_states: torch.Tensor,
+            cache_params: Any = None,
+            attention_mask: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            return _cp_forward(self, hidden_states, cache_params, attention_mask, **kwargs)
+
+        _CLASSES[cls] = type(
+            f"ContextParallel{cls.__name__}",
+            (cls,),
+            {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__},
+        )
+    return _CLASSES[cls]
+
+
+def _validate(module: Any, cp_mesh: Any, protocol: Any, group_size: Any) -> _KDAState:
+    name = type(module).__name__
+    missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
+    if not isinstance(module, nn.Module) or name not in SUPPORTED_KDA_CLASSES or missing:
+        raise TypeError(
+            f"parallelize_kda supports {', '.join(SUPPORTED_KDA_CLASSES)} (Hugging Face "
+            f"transformers), got {name}" + (f" without {missing}" if missing else "")
+        )
+    if hasattr(module, _STATE):
+        raise RuntimeError(
+            "parallelize_kda was already applied to this module; call unparallelize_kda first"
+        )
+    from hyper_parallel.dtensor import DeviceMesh
+
+    if not isinstance(cp_mesh, DeviceMesh):
+        raise TypeError(f"cp_mesh must be a 1-D torch DeviceMesh, got {type(cp_mesh).__name__}")
+    if cp_mesh.ndim != 1:
+        raise ValueError(f"the context-parallel mesh must be 1-D, got {cp_mesh!r}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
+    if module.activation not in _ACTIVATIONS:
+        known = sorted(str(a) for a in _ACTIVATIONS if a is not None)
+        raise ValueError(f"parallelize_kda: activation {module.activation!r} not in {known}")
+    weight = module.conv1d.weight
+    channels = 3 * module.num_heads * module.head_dim
+    if tuple(weight.shape) != (channels, 1, module.conv_kernel_size):
+        raise ValueError(
+            f"parallelize_kda: conv1d weight {tuple(weight.shape)} is not the depthwise "
+            f"[{channels}, 1, {module.conv_kernel_size}] of q/k/v"
+        )
+    return _KDAState(cp_mesh, protocol, group_size, type(module), _ACTIVATIONS[module.activation])
+
+
+def parallelize_kda(
+    module: nn.Module, cp_mesh: Any, *, protocol: str = "auto", group_size: int | None = None
+) -> nn.Module:
+    """Rewrite a stock KDA layer in place for context parallelism over the 1-D ``cp_mesh``.
+
+    Afterwards ``module(hidden_states [B, T_r, D])`` on rank ``r`` (block ``r`` of the
+    sequence, in the mesh's rank order; blocks may differ in length, be shorter than the
+    convolution window or empty) returns those rows of the serial layer's output; the input's
+    gradient equals the serial one's rows, and each parameter's gradient summed over the ranks
+    equals the serial gradient (parameters stay whole and replicated). ``protocol`` and
+    ``group_size`` choose the state exchange (see :func:`build_state_exchange`); its executor
+    (and the grouped sub-meshes) is built here, collectively, so call this on every rank in
+    the same order. Returns ``module``.
+
+    Errors before any communication, leaving the module untouched: ``TypeError`` (a module
+    other than :data:`SUPPORTED_KDA_CLASSES`, ``cp_mesh`` not a DeviceMesh), ``RuntimeError``
+    (already parallelized), ``ValueError`` (mesh not 1-D or not in chronological rank order,
+    unknown protocol, bad ``group_size``, unsupported activation). At call time, on every
+    rank: ``cache_params`` or ``attention_mask`` not None, packed sequences, or a malformed
+    ``hidden_states`` raise ``ValueError``.
+    """
+    state = _validate(module, cp_mesh, protocol, group_size)
+    executor_for(cp_mesh, protocol, group_size, "auto", None)  # checks, then builds
+    setattr(module, _STATE, state)
+    module.__class__ = _cp_class(state.original_class)
+    return module
+
+
+def unparallelize_kda(module: nn.Module) -> nn.Module:
+    """Undo :func:`parallelize_kda` (``RuntimeError`` if it was not applied)."""
+    state = getattr(module, _STATE, None)
+    if state is None:
+        raise RuntimeError("module is not context-parallel (parallelize_kda was not applied)")
+    module.__class__ = state.original_class
+    delattr(module, _STATE)
+    return module
