@@ -106,6 +106,7 @@ def integration(session: nox.Session) -> None:
     job's failure paths); HCCL/NCCL where the hardware is."""
     _install_packages(session, _packages())
     _install(session, "-r", str(ROOT / "tests" / "integration" / "requirements.txt"))
+    _install(session, "-r", str(ROOT / "examples" / "requirements.txt"))  # test_main_job.py
     session.run(
         "python", "-m", "pytest", str(ROOT / "tests" / "integration"), *session.posargs, env=_env()
     )

@@ -12,23 +12,28 @@ in one process and check that the two loss curves agree.
 Started plainly, the script launches itself under torchrun (``torch.distributed.run``) on
 ``tp * cp`` local ranks; under torchrun it is a worker. Output (``--out``, default ``out/``):
 ``loss_curves.png`` (parallel vs serial), ``trace_step.json`` (Chrome / Perfetto trace of one
-training step, one process per rank), ``parallel.json`` (losses, step times, per-layer
-communication and time). Exit status 0 when the curves agree within ``--tol``; otherwise 1 with
-a one-line reason, also when a rank fails (torchrun stops the other ranks; a rank stuck in a
-collective times out after ``--rank-timeout`` seconds).
+training step, one process per rank) and ``trace_step.png`` (the same step as a timeline per
+rank), ``parallel.json`` (losses, step times, per-layer communication and time).
+
+Exit status 0 when the curves agree within ``--tol``; otherwise non-zero with a one-line
+reason: curves that disagree (a NaN counts as disagreement), a non-finite loss on any rank (the
+run stops at that step and names the rank where it started), a failed rank (torchrun stops the
+others; a rank stuck in a collective times out after ``--rank-timeout`` seconds), the
+``--job-timeout``, Ctrl-C or SIGTERM. In every case torchrun and all its workers are ended
+before the script exits (examples/_jobctl.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,10 +42,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "integration"))  # the hybrid model lives with its tests
 
 import _hybrid_model as hm  # noqa: E402
+import _jobctl  # noqa: E402
+import _report  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from _meter import LayerMeter  # noqa: E402
+from _trace_plot import plot_trace  # noqa: E402
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -71,8 +79,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "out"))
     p.add_argument("--rank-timeout", type=float, default=60.0, help="collective timeout (s)")
     p.add_argument("--job-timeout", type=float, default=900.0, help="whole parallel run (s)")
-    p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # failure drill
+    # failure drills (hidden): a rank exits at a step; a step's loss turns NaN (every rank, or
+    # only --nan-rank)
+    p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--fail-step", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--nan-step", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--nan-rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
         args.tp, args.cp = (int(v) for v in args.mesh.split(","))
@@ -84,20 +96,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--seq {args.seq} must be divisible by tp*cp = {args.tp * args.cp}")
     if not 0 <= args.trace_step < args.steps:
         p.error("--trace-step must be in [0, steps)")
+    if args.job_timeout <= 0:
+        p.error("--job-timeout must be positive")
     return args
-
-
-def config_of(args: argparse.Namespace) -> hm.HybridConfig:
-    return hm.HybridConfig(
-        hidden=args.hidden,
-        ffn=args.ffn,
-        layers=tuple(s.strip() for s in args.layers.split(",") if s.strip()),
-        kda_heads=args.kda_heads,
-        kda_head_dim=args.kda_head_dim,
-        kda_chunk_size=min(64, args.seq // (args.tp * args.cp)),
-        mla_heads=args.mla_heads,
-        vocab=args.vocab,
-    )
 
 
 def make_batches(args: argparse.Namespace) -> torch.Tensor:
@@ -112,9 +113,57 @@ def make_batches(args: argparse.Namespace) -> torch.Tensor:
     return toks.view(args.steps, args.batch, args.seq + 1)
 
 
-def build_model(args: argparse.Namespace, device: torch.device) -> hm.HybridLM:
+# ---- the model: everything that knows which model is trained ---------------------------------
+def config_of(args: argparse.Namespace) -> hm.HybridConfig:
+    return hm.HybridConfig(
+        hidden=args.hidden,
+        ffn=args.ffn,
+        layers=tuple(s.strip() for s in args.layers.split(",") if s.strip()),
+        kda_heads=args.kda_heads,
+        kda_head_dim=args.kda_head_dim,
+        kda_chunk_size=min(64, args.seq // (args.tp * args.cp)),
+        mla_heads=args.mla_heads,
+        vocab=args.vocab,
+    )
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """The serial model; ``model(tokens [B, S]) -> logits [B, S, vocab]``."""
     torch.manual_seed(args.seed)
     return hm.HybridLM(config_of(args)).to(device=device, dtype=getattr(torch, args.dtype))
+
+
+def parallelize(model: torch.nn.Module, mesh: Any, args: argparse.Namespace) -> None:
+    """Rewrite ``model`` in place for the ``("tp", "cp")`` mesh."""
+    hm.parallelize_hybrid(
+        model,
+        mesh,
+        mla_strategy=args.mla_strategy,
+        mla_overlap=not args.no_overlap,
+        kda_protocol=args.kda_protocol,
+    )
+
+
+def shard_batch(tokens: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets) ``[B, S / (tp * cp)]`` of a ``[B, S + 1]`` batch."""
+    return hm.shard_tokens(tokens[:, :-1], mesh), hm.shard_tokens(tokens[:, 1:], mesh)
+
+
+def sync_gradients(model: torch.nn.Module, mesh: Any) -> None:
+    hm.sync_gradients(model, mesh)
+
+
+def metered_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``("<index>:<kind>", module)`` for each layer the table and the trace show."""
+    blocks = [m for m in model.modules() if isinstance(m, hm.Residual)]
+    return [(f"{i}:{m.kind}", m) for i, m in enumerate(blocks)]
+
+
+def loss_of(logits: torch.Tensor, targets: torch.Tensor, n_targets: int) -> torch.Tensor:
+    """Summed cross-entropy of this rank's tokens over the global token count (the ranks'
+    losses add up to the mean over the batch)."""
+    flat = logits.flatten(0, 1).float()
+    return F.cross_entropy(flat, targets.flatten(), reduction="sum") / n_targets
 
 
 class Progress:
@@ -142,117 +191,11 @@ class Progress:
             self.bar.close()
 
 
-# ---- per-layer time and communication ----------------------------------------------------
-class _Stamp(torch.autograd.Function):
-    """Identity that calls ``hook`` when its gradient passes (marks a layer's backward)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, hook: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.hook = hook
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.hook()
-        return grad, None
-
-
-class LayerMeter(TorchDispatchMode):
-    """Per-layer forward/backward wall time (every step) and bytes received from peers by
-    this rank's collectives (while the dispatch mode is on), attributed to the layer running.
-
-    Bytes are what a rank receives in a direct exchange: all-gather ``(P-1)`` shards,
-    reduce-scatter ``(P-1)`` shard-sized partials, all-to-all ``(P-1)/P`` of the output,
-    recv and non-root broadcast the tensor, all-reduce ``(P-1)`` copies."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.names: list[str] = []
-        self.time: dict[tuple[str, str], float] = {}
-        self.bytes: dict[str, int] = {}
-        self.current = "other"
-        self.recorder: Any = None
-        self._t: dict[tuple[str, str], float] = {}
-        for i, layer in enumerate(m for m in model.modules() if isinstance(m, hm.Residual)):
-            name = f"{i}:{layer.kind}"
-            self.names.append(name)
-            layer.register_forward_pre_hook(self._pre(name))
-            layer.register_forward_hook(self._post(name))
-
-    def _mark(self, name: str, phase: str, begin: bool) -> None:
-        now = time.perf_counter()
-        if begin:
-            self._t[(name, phase)] = now
-            self.current = name
-        else:
-            key = (name, phase)
-            self.time[key] = self.time.get(key, 0.0) + now - self._t.pop(key, now)
-            self.current = "other"
-        if self.recorder is not None:
-            self.recorder.add("begin" if begin else "end", f"layer {name}", phase)
-
-    def _pre(self, name: str) -> Any:
-        def hook(_m: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-            self._mark(name, "forward", True)
-            x = _Stamp.apply(args[0], lambda: self._mark(name, "backward", False))
-            return (x, *args[1:])
-
-        return hook
-
-    def _post(self, name: str) -> Any:
-        def hook(_m: Any, _a: Any, out: torch.Tensor) -> torch.Tensor:
-            self._mark(name, "forward", False)
-            return _Stamp.apply(out, lambda: self._mark(name, "backward", True))
-
-        return hook
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        name = str(func)
-        if name.startswith("c10d."):
-            n = _received_bytes(name, args)
-            if n:
-                self.bytes[self.current] = self.bytes.get(self.current, 0) + n
-        return out
-
-
-def _received_bytes(op: str, args: Any) -> int:
-    pg = None
-    for a in args:  # the process group arrives as a TorchScript object
-        if type(a).__name__ == "ScriptObject":
-            try:
-                pg = torch._C._distributed_c10d.ProcessGroup.unbox(a)
-                break
-            except Exception:
-                continue
-    ws = pg.size() if pg is not None else 1
-
-    def nbytes(t: Any) -> int:
-        if isinstance(t, torch.Tensor):
-            return t.numel() * t.element_size()
-        return sum(nbytes(x) for x in t) if isinstance(t, list | tuple) else 0
-
-    if "_allgather_base_" in op:
-        return nbytes(args[0]) - nbytes(args[1])
-    if "_reduce_scatter_base_" in op:
-        return nbytes(args[1]) - nbytes(args[0])
-    if "alltoall_base_" in op:
-        return nbytes(args[0]) * (ws - 1) // ws
-    if "allgather_" in op or "alltoall_" in op:
-        return nbytes(args[0]) * (ws - 1) // ws
-    if "reduce_scatter_" in op:
-        return nbytes(args[1]) * (ws - 1) // ws
-    if "recv_" in op:
-        return nbytes(args[0])
-    if "broadcast_" in op:
-        root = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
-        return 0 if pg is None or pg.rank() == root else nbytes(args[0])
-    if "allreduce_" in op:
-        return nbytes(args[0]) * (ws - 1)
-    return 0
-
-
 # ---- the parallel worker (one per rank, under torchrun) ----------------------------------
+class NonFiniteLoss(RuntimeError):
+    """A rank's loss is NaN or infinite; raised on every rank at the same step."""
+
+
 def _device(kind: str) -> torch.device:
     if kind == "cpu":
         torch.set_num_threads(1)
@@ -268,108 +211,146 @@ def _fail_file(out: Path, rank: int) -> Path:
     return out / f".rank{rank}.failed"
 
 
-def worker(args: argparse.Namespace) -> None:
-    from hyper_parallel.context_parallel import record_events
+@dataclass
+class RankRun:
+    """One rank's state of the parallel run."""
+
+    args: argparse.Namespace
+    rank: int
+    world: int
+    device: torch.device
+    mesh: Any
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    meter: LayerMeter
+    batches: torch.Tensor
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    trace: dict[str, Any] = field(default_factory=dict)
+    timed: dict[tuple[str, str], float] = field(default_factory=dict)
+
+
+def _setup(args: argparse.Namespace, rank: int, world: int) -> RankRun:
     from hyper_parallel.dtensor import init_device_mesh, unflatten
 
+    if world != args.tp * args.cp:
+        raise ValueError(f"world size {world} != tp*cp = {args.tp * args.cp}")
+    device = _device(args.device)
+    dist.init_process_group(BACKENDS[args.device], timeout=timedelta(seconds=args.rank_timeout))
+    root = init_device_mesh(args.device, (world,), mesh_dim_names=("world",))
+    mesh = unflatten(root, "world", (args.tp, args.cp), ("tp", "cp"))
+    model = build_model(args, device)
+    parallelize(model, mesh, args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+    meter = LayerMeter(metered_layers(model))
+    return RankRun(args, rank, world, device, mesh, model, opt, meter, make_batches(args))
+
+
+def global_loss(loss: torch.Tensor, step: int, world: int) -> float:
+    """The sum of every rank's loss. Every rank sees every rank's value, so when one of them is
+    not finite all ranks raise :class:`NonFiniteLoss` at this step (no rank is left waiting
+    in a collective), naming the lowest rank where it appeared."""
+    local = loss.detach().reshape(1).to(torch.float64)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    values = torch.cat(parts).cpu().tolist()
+    bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise NonFiniteLoss(
+            f"non-finite loss at step {step}, starting on rank {bad[0]} (loss {values[bad[0]]}; "
+            f"non-finite on {len(bad)} of {world} ranks)"
+        )
+    return float(sum(values))
+
+
+def _forward_backward(run: RankRun, step: int) -> float:
+    args = run.args
+    inp, tgt = (t.to(run.device) for t in shard_batch(run.batches[step], run.mesh))
+    run.opt.zero_grad(set_to_none=True)
+    loss = loss_of(run.model(inp), tgt, args.batch * args.seq)
+    if step == args.nan_step and args.nan_rank in (-1, run.rank):  # drill
+        loss = loss * float("nan")
+    loss.backward()
+    run.meter.current = "grad sync"
+    sync_gradients(run.model, run.mesh)
+    run.meter.current = "other"
+    return global_loss(loss, step, run.world)
+
+
+def train_step(run: RankRun, step: int) -> None:
+    """One optimizer step; the step ``--trace-step`` is recorded for the trace."""
+    from hyper_parallel.context_parallel import record_events
+
+    profiling = step == run.args.trace_step
+    run.meter.time.clear()
+    t0 = time.perf_counter()
+    with record_events() if profiling else nullcontext() as rec:
+        run.meter.recorder = rec
+        with run.meter if profiling else nullcontext():
+            total = _forward_backward(run, step)
+        run.opt.step()
+        if run.args.device != "cpu":
+            getattr(torch, run.args.device).synchronize()
+    run.step_times.append(time.perf_counter() - t0)
+    run.meter.recorder = None
+    run.losses.append(total)
+    if profiling:
+        run.trace = rec.to_chrome_trace(pid=run.rank)
+    elif step > 0:
+        for key, v in run.meter.time.items():
+            run.timed[key] = run.timed.get(key, 0.0) + v
+
+
+def _finish(run: RankRun, out: Path) -> None:
+    """Rank 0 writes parallel.json and trace_step.json from every rank's statistics."""
+    args = run.args
+    n_timed = max(1, sum(1 for s in range(1, args.steps) if s != args.trace_step))
+    stats = {
+        "bytes": run.meter.bytes,
+        "time": {f"{k[0]}|{k[1]}": v / n_timed for k, v in run.timed.items()},
+        "trace": run.trace,
+    }
+    gathered: list[Any] = [None] * run.world if run.rank == 0 else []
+    dist.gather_object(stats, gathered if run.rank == 0 else None, dst=0)
+    if run.rank == 0:
+        _write_parallel_results(args, out, run, gathered)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker(args: argparse.Namespace) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _jobctl.die_with_parent()  # torchrun gone (killed): this rank goes too
+    _jobctl.pid_file(out, rank).write_text(f"{os.getpid()}\n")
     try:
-        if world != args.tp * args.cp:
-            raise ValueError(f"world size {world} != tp*cp = {args.tp * args.cp}")
-        device = _device(args.device)
-        dist.init_process_group(BACKENDS[args.device], timeout=timedelta(seconds=args.rank_timeout))
-        root = init_device_mesh(args.device, (world,), mesh_dim_names=("world",))
-        mesh = unflatten(root, "world", (args.tp, args.cp), ("tp", "cp"))
-        model = build_model(args, device)
-        hm.parallelize_hybrid(
-            model,
-            mesh,
-            mla_strategy=args.mla_strategy,
-            mla_overlap=not args.no_overlap,
-            kda_protocol=args.kda_protocol,
-        )
-        meter = LayerMeter(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
-        batches = make_batches(args)
-        n_targets = args.batch * args.seq
+        run = _setup(args, rank, world)
         bar = Progress(args.steps, f"parallel tp={args.tp} cp={args.cp}") if rank == 0 else None
-        losses: list[float] = []
-        step_times: list[float] = []
-        trace: dict[str, Any] = {}
-        timed: dict[tuple[str, str], float] = {}
         for step in range(args.steps):
-            if step == args.fail_step and rank == args.fail_rank:
+            if step == args.fail_step and rank == args.fail_rank:  # drill
                 _fail_file(out, rank).write_text(f"rank {rank}: injected failure at step {step}\n")
                 os._exit(3)
-            tokens = batches[step]
-            inp = hm.shard_tokens(tokens[:, :-1], mesh).to(device)
-            tgt = hm.shard_tokens(tokens[:, 1:], mesh).to(device)
-            profiling = step == args.trace_step
-            meter.time.clear()
-            t0 = time.perf_counter()
-            with record_events() if profiling else _null() as rec:
-                meter.recorder = rec
-                with meter if profiling else _null():
-                    opt.zero_grad(set_to_none=True)
-                    logits = model(inp)
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(),
-                                           reduction="sum") / n_targets  # fmt: skip
-                    loss.backward()
-                    meter.current = "grad sync"
-                    hm.sync_gradients(model, mesh)
-                    meter.current = "other"
-                opt.step()
-                total = loss.detach().clone()
-                dist.all_reduce(total)
-                if args.device != "cpu":
-                    getattr(torch, args.device).synchronize()
-            dt = time.perf_counter() - t0
-            meter.recorder = None
-            if profiling:
-                trace = rec.to_chrome_trace(pid=rank)
-            elif step > 0:
-                for key, v in meter.time.items():
-                    timed[key] = timed.get(key, 0.0) + v
-            losses.append(total.item())
-            step_times.append(dt)
+            train_step(run, step)
             if bar is not None:
-                bar.update(losses[-1], dt, args.batch * args.seq)
+                bar.update(run.losses[-1], run.step_times[-1], args.batch * args.seq)
         if bar is not None:
             bar.close()
-        n_timed = max(1, sum(1 for s in range(1, args.steps) if s != args.trace_step))
-        stats = {
-            "bytes": meter.bytes,
-            "time": {f"{k[0]}|{k[1]}": v / n_timed for k, v in timed.items()},
-            "trace": trace,
-        }
-        gathered: list[Any] = [None] * world if rank == 0 else []
-        dist.gather_object(stats, gathered if rank == 0 else None, dst=0)
-        if rank == 0:
-            _write_parallel_results(args, out, losses, step_times, meter.names, gathered)
-        dist.barrier()
+        _finish(run, out)
+    except NonFiniteLoss as exc:
+        _fail_file(out, rank).write_text(f"{exc}\n")
+        print(f"rank {rank}: stopping: {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
+        return 4
     except BaseException as exc:
         line = f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _fail_file(out, rank).write_text(line + "\n")
         raise
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    return 0
 
 
 def _write_parallel_results(
-    args: argparse.Namespace,
-    out: Path,
-    losses: list[float],
-    step_times: list[float],
-    names: list[str],
-    per_rank: list[Any],
+    args: argparse.Namespace, out: Path, run: RankRun, per_rank: list[Any]
 ) -> None:
     events: list[Any] = []
     for stats in per_rank:
@@ -379,7 +360,7 @@ def _write_parallel_results(
     (out / "trace_step.json").write_text(json.dumps({"traceEvents": events,
                                                      "displayTimeUnit": "ms"}))  # fmt: skip
     rows = []
-    for name in [*names, "grad sync", "other"]:
+    for name in [*run.meter.names, "grad sync", "other"]:
         recv = [int(s["bytes"].get(name, 0)) for s in per_rank]
         # phases that are not timed (gradient sync, the rest) report None, not zero
         fwd = [s["time"][f"{name}|forward"] for s in per_rank if f"{name}|forward" in s["time"]]
@@ -389,8 +370,8 @@ def _write_parallel_results(
                      "bwd_s": max(bwd) if bwd else None})  # fmt: skip
     record = {
         "mesh": {"tp": args.tp, "cp": args.cp},
-        "losses": losses,
-        "step_times": step_times,
+        "losses": run.losses,
+        "step_times": run.step_times,
         "layers": rows,
         "trace_step": args.trace_step,
     }
@@ -398,49 +379,42 @@ def _write_parallel_results(
 
 
 # ---- the launcher ------------------------------------------------------------------------
-def _launch_parallel(args: argparse.Namespace, argv: list[str]) -> tuple[int, str]:
-    """Run the workers under torchrun; return (exit code, one-line reason on failure)."""
-    out = Path(args.out)
-    for stale in [*out.glob(".rank*.failed"), out / "parallel.json"]:
-        stale.unlink(missing_ok=True)
-    nproc = args.tp * args.cp
+def _torchrun(args: argparse.Namespace, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "--max-restarts=0", "--monitor-interval=0.5",
+           f"--nproc-per-node={args.tp * args.cp}", "--max-restarts=0", "--monitor-interval=0.5",
            str(Path(__file__).resolve()), *argv]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}  # fmt: skip
-    if args.device == "npu" and "ASCEND_RT_VISIBLE_DEVICES" not in env:
-        print("note: ASCEND_RT_VISIBLE_DEVICES not set; ranks use NPUs 0..N-1", flush=True)
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    tail: list[str] = []
+    return cmd, env
 
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            sys.stderr.write(line)
-            tail.append(line)
-            del tail[:-200]
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        rc = proc.wait(timeout=args.job_timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return 1, f"parallel run exceeded --job-timeout {args.job_timeout:.0f}s; all ranks killed"
-    reader.join(timeout=5)
-    if rc == 0:
-        return 0, ""
+def _failure_reason(out: Path, stderr_tail: list[str], rc: int) -> str:
     failed = sorted(out.glob(".rank*.failed"), key=lambda p: p.stat().st_mtime)
     if failed:
-        return rc, failed[0].read_text().strip()
-    text = "".join(tail)
+        return failed[0].read_text().strip()
+    text = "".join(stderr_tail)
     m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", text, re.S)
     if m:
-        return rc, f"rank {m.group(1)} exited with code {m.group(2)}"
-    return rc, f"torchrun exited with code {rc}"
+        return f"rank {m.group(1)} exited with code {m.group(2)}"
+    return f"torchrun exited with code {rc}"
+
+
+def _launch_parallel(args: argparse.Namespace, argv: list[str]) -> tuple[int, str]:
+    """Run the workers under torchrun; return (exit code, one-line reason on failure). Nothing
+    of the job outlives this call (also on Ctrl-C / SIGTERM, which propagate)."""
+    out = Path(args.out)
+    for stale in [*out.glob(".rank*.failed"), *out.glob(".rank*.pid"), out / "parallel.json"]:
+        stale.unlink(missing_ok=True)
+    if args.device == "npu" and "ASCEND_RT_VISIBLE_DEVICES" not in os.environ:
+        print("note: ASCEND_RT_VISIBLE_DEVICES not set; ranks use NPUs 0..N-1", flush=True)
+    cmd, env = _torchrun(args, argv)
+    rc, job = _jobctl.run_job(cmd, env, out, args.job_timeout)
+    if rc is None:
+        return 1, f"parallel run exceeded --job-timeout {args.job_timeout:g}s; torchrun and all " \
+                  "ranks stopped"  # fmt: skip
+    if rc == 0:
+        return 0, ""
+    return rc, _failure_reason(out, job.tail, rc)
 
 
 def train_serial(args: argparse.Namespace) -> tuple[list[float], list[float]]:
@@ -454,76 +428,47 @@ def train_serial(args: argparse.Namespace) -> tuple[list[float], list[float]]:
         tokens = batches[step].to(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss = loss_of(model(tokens[:, :-1]), tokens[:, 1:], tokens[:, 1:].numel())
         loss.backward()
         opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
         bar.update(losses[-1], times[-1], args.batch * args.seq)
+        if not math.isfinite(losses[-1]):
+            break  # the comparison reports it
     bar.close()
     return losses, times
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
-def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float) -> None:
-    mesh = record["mesh"]
+def summarize(args: argparse.Namespace, record: dict[str, Any], serial: list[float],
+              serial_times: list[float]) -> str:  # fmt: skip
+    """Print the table, write the plots; return the reason the run failed ('' when OK)."""
+    out = Path(args.out)
+    parallel = record["losses"]
+    rel, reason = _report.compare_curves(parallel, serial, args.tol)
+    par_med, ser_med = _median(record["step_times"]), _median(serial_times)
+    _report.print_layer_table(record, par_med, ser_med)
+    slower = _report.slower_reason(args.device, args.tp * args.cp, par_med, ser_med)
+    if slower:
+        print(slower)
+    png = out / "loss_curves.png"
+    _report.plot_curves(png, parallel, serial, f"hybrid {args.layers}, tp={args.tp} "
+                        f"cp={args.cp}, max rel diff {rel:.1e} (tol {args.tol:.0e})")  # fmt: skip
+    trace_json, trace_png = out / "trace_step.json", out / "trace_step.png"
+    title = f"step {record['trace_step']}, tp={args.tp} x cp={args.cp}, {args.layers}"
+    plot_trace(json.loads(trace_json.read_text()), trace_png, title)
     print(
-        f"\nper layer, one step (tp={mesh['tp']} x cp={mesh['cp']}; bytes each rank receives "
-        "from its peers, counted on the traced step; time: slowest rank, mean over steps)"
+        f"\nloss: first {serial[0]:.4f}, last serial {serial[-1]:.4f} / parallel "
+        f"{parallel[-1]:.4f}; max relative difference {rel:.2e} (tol {args.tol:.0e})"
     )
-    head = f"{'layer':<12} {'parallelism':<42} {'recv/rank (max)':>16} {'total recv':>12} " \
-           f"{'fwd ms':>8} {'bwd ms':>8}"  # fmt: skip
-    print(head)
-    print("-" * len(head))
-    how = {
-        "kda": "KDA state exchange over cp",
-        "mla": "Ulysses MLA over cp",
-        "mlp": "MC2 TP+SP over tp",
-        "grad sync": "all-reduce (world / cp)",
-        "other": "embedding, head, loss",
-    }
-    for row in record["layers"]:
-        kind = row["layer"].split(":")[-1]
-        par = how.get(kind, "")
-        if kind in ("kda", "mla") and mesh["tp"] > 1:
-            par += " + tp gather"
-        recv = row["recv_bytes_per_rank"]
-        fwd, bwd = (
-            f"{row[k] * 1e3:.1f}" if row[k] is not None else "-" for k in ("fwd_s", "bwd_s")
-        )
-        print(
-            f"{row['layer']:<12} {par:<42} {_fmt_bytes(max(recv)):>16} "
-            f"{_fmt_bytes(sum(recv)):>12} {fwd:>8} {bwd:>8}"
-        )
-    print(f"median step: parallel {parallel_s * 1e3:.0f} ms, serial {serial_s * 1e3:.0f} ms")
-
-
-def plot_curves(path: Path, parallel: list[float], serial: list[float], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = range(1, len(serial) + 1)
-    ax.plot(steps, serial, label="serial (1 process)", linewidth=2.5, alpha=0.6)
-    ax.plot(steps, parallel, label="parallel (TP + CP)", linestyle="--", marker=".")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    print(f"loss curves: {png}")
+    print(f"trace of step {record['trace_step']}: {trace_png} (timeline per rank); "
+          f"{trace_json} (open in https://ui.perfetto.dev)")  # fmt: skip
+    return reason
 
 
 def launcher(args: argparse.Namespace, argv: list[str]) -> int:
@@ -533,39 +478,25 @@ def launcher(args: argparse.Namespace, argv: list[str]) -> int:
         print("train_hybrid: FAILED: matplotlib is needed for the loss plot "
               "(pip install -r examples/requirements.txt)")  # fmt: skip
         return 1
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    _jobctl.raise_on_signals()
     t0 = time.perf_counter()
-    rc, reason = _launch_parallel(args, argv)
-    if rc != 0:
-        print(f"train_hybrid: FAILED: {reason}", flush=True)
-        return 1
-    record = json.loads((out / "parallel.json").read_text())
-    t_par = time.perf_counter() - t0
-    serial, serial_times = train_serial(args)
-    parallel = record["losses"]
-    rel = max(abs(p - s) / max(abs(s), 1e-12) for p, s in zip(parallel, serial))
-    par_med = sorted(record["step_times"])[len(parallel) // 2]
-    ser_med = sorted(serial_times)[len(serial) // 2]
-    print_layer_table(record, par_med, ser_med)
-    png = out / "loss_curves.png"
-    plot_curves(png, parallel, serial, f"hybrid {args.layers}, tp={args.tp} cp={args.cp}, "
-                f"max rel diff {rel:.1e} (tol {args.tol:.0e})")  # fmt: skip
-    print(
-        f"\nloss: first {serial[0]:.4f}, last serial {serial[-1]:.4f} / parallel "
-        f"{parallel[-1]:.4f}; max relative difference {rel:.2e} (tol {args.tol:.0e})"
-    )
-    print(f"loss curves: {png}")
-    print(
-        f"trace of step {record['trace_step']} (open in https://ui.perfetto.dev): "
-        f"{out / 'trace_step.json'}"
-    )
+    try:
+        rc, reason = _launch_parallel(args, argv)
+        if rc != 0:
+            print(f"train_hybrid: FAILED: {reason}", flush=True)
+            return 1
+        t_par = time.perf_counter() - t0
+        record = json.loads((Path(args.out) / "parallel.json").read_text())
+        serial, serial_times = train_serial(args)
+        reason = summarize(args, record, serial, serial_times)
+    except _jobctl.Interrupted as exc:
+        print(f"train_hybrid: FAILED: interrupted by {exc} after {time.perf_counter() - t0:.0f}s;"
+              " torchrun and every rank stopped", flush=True)  # fmt: skip
+        return 128 + exc.signum
     print(f"parallel run {t_par:.1f} s, total {time.perf_counter() - t0:.1f} s")
-    if not rel <= args.tol:
-        worst = max(range(len(serial)), key=lambda i: abs(parallel[i] - serial[i]))
-        print(f"train_hybrid: FAILED: loss curves disagree: max relative difference {rel:.2e} "
-              f"> tol {args.tol:.0e} (step {worst + 1}: parallel {parallel[worst]:.6f}, "
-              f"serial {serial[worst]:.6f})")  # fmt: skip
+    if reason:
+        print(f"train_hybrid: FAILED: {reason}")
         return 1
     print("train_hybrid: OK: parallel and serial loss curves agree")
     return 0
@@ -574,8 +505,7 @@ def launcher(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
-        worker(args)
-        return 0
+        return worker(args)
     return launcher(args, argv)
 
 

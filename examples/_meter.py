@@ -1,0 +1,123 @@
+"""Per-layer time and communication of the main job (a dispatch mode plus module hooks).
+
+``LayerMeter(layers)`` times each named layer's forward and backward and counts the bytes this
+rank receives from its peers in every ``torch.distributed`` collective, attributed to the layer
+running; ``meter.recorder`` (an hp-context-parallel ``EventRecorder``) also gets the layer spans
+for the trace of the recorded step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _Stamp(torch.autograd.Function):
+    """Identity that calls ``hook`` when its gradient passes (marks a layer's backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, hook: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.hook()
+        return grad, None
+
+
+class LayerMeter(TorchDispatchMode):
+    """Per-layer forward/backward wall time (every step) and bytes received from peers by
+    this rank's collectives (while the dispatch mode is on), attributed to the layer running.
+
+    Bytes are what a rank receives in a direct exchange: all-gather ``(P-1)`` shards,
+    reduce-scatter ``(P-1)`` shard-sized partials, all-to-all ``(P-1)/P`` of the output,
+    recv and non-root broadcast the tensor, all-reduce ``(P-1)`` copies."""
+
+    def __init__(self, layers: list[tuple[str, torch.nn.Module]]) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self.time: dict[tuple[str, str], float] = {}
+        self.bytes: dict[str, int] = {}
+        self.current = "other"
+        self.recorder: Any = None
+        self._t: dict[tuple[str, str], float] = {}
+        for name, layer in layers:
+            self.names.append(name)
+            layer.register_forward_pre_hook(self._pre(name))
+            layer.register_forward_hook(self._post(name))
+
+    def _mark(self, name: str, phase: str, begin: bool) -> None:
+        now = time.perf_counter()
+        if begin:
+            self._t[(name, phase)] = now
+            self.current = name
+        else:
+            key = (name, phase)
+            self.time[key] = self.time.get(key, 0.0) + now - self._t.pop(key, now)
+            self.current = "other"
+        if self.recorder is not None:
+            self.recorder.add("begin" if begin else "end", f"layer {name}", phase)
+
+    def _pre(self, name: str) -> Any:
+        def hook(_m: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            self._mark(name, "forward", True)
+            x = _Stamp.apply(args[0], lambda: self._mark(name, "backward", False))
+            return (x, *args[1:])
+
+        return hook
+
+    def _post(self, name: str) -> Any:
+        def hook(_m: Any, _a: Any, out: torch.Tensor) -> torch.Tensor:
+            self._mark(name, "forward", False)
+            return _Stamp.apply(out, lambda: self._mark(name, "backward", True))
+
+        return hook
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if name.startswith("c10d."):
+            n = _received_bytes(name, args)
+            if n:
+                self.bytes[self.current] = self.bytes.get(self.current, 0) + n
+        return out
+
+
+def _received_bytes(op: str, args: Any) -> int:
+    pg = None
+    for a in args:  # the process group arrives as a TorchScript object
+        if type(a).__name__ == "ScriptObject":
+            try:
+                pg = torch._C._distributed_c10d.ProcessGroup.unbox(a)
+                break
+            except Exception:
+                continue
+    ws = pg.size() if pg is not None else 1
+
+    def nbytes(t: Any) -> int:
+        if isinstance(t, torch.Tensor):
+            return t.numel() * t.element_size()
+        return sum(nbytes(x) for x in t) if isinstance(t, list | tuple) else 0
+
+    if "_allgather_base_" in op:
+        return nbytes(args[0]) - nbytes(args[1])
+    if "_reduce_scatter_base_" in op:
+        return nbytes(args[1]) - nbytes(args[0])
+    if "alltoall_base_" in op:
+        return nbytes(args[0]) * (ws - 1) // ws
+    if "allgather_" in op or "alltoall_" in op:
+        return nbytes(args[0]) * (ws - 1) // ws
+    if "reduce_scatter_" in op:
+        return nbytes(args[1]) * (ws - 1) // ws
+    if "recv_" in op:
+        return nbytes(args[0])
+    if "broadcast_" in op:
+        root = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+        return 0 if pg is None or pg.rank() == root else nbytes(args[0])
+    if "allreduce_" in op:
+        return nbytes(args[0]) * (ws - 1)
+    return 0

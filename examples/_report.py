@@ -1,0 +1,131 @@
+"""What the main job prints and draws: the curve comparison (NaN counts as disagreement), the
+per-layer table, the reason a parallel run is slower than the serial one, the loss plot."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def first_non_finite(losses: list[float]) -> int | None:
+    """Index of the first NaN/inf loss, or None."""
+    return next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+
+
+def max_rel_diff(parallel: list[float], serial: list[float]) -> tuple[float, int]:
+    """(largest relative difference, its step index); ``inf`` where either loss is not finite
+    or the curves have different lengths (``max`` over a list with NaN would hide it)."""
+    if len(parallel) != len(serial) or not serial:
+        return math.inf, min(len(parallel), len(serial))
+    worst, at = 0.0, 0
+    for i, (p, s) in enumerate(zip(parallel, serial, strict=True)):
+        d = abs(p - s) / max(abs(s), 1e-12) if math.isfinite(p) and math.isfinite(s) else math.inf
+        if d > worst or not math.isfinite(d):
+            worst, at = d, i
+            if not math.isfinite(d):
+                break
+    return worst, at
+
+
+def compare_curves(parallel: list[float], serial: list[float], tol: float) -> tuple[float, str]:
+    """(max relative difference, reason); the reason is empty when the curves agree."""
+    for name, curve in (("serial", serial), ("parallel", parallel)):
+        bad = first_non_finite(curve)
+        if bad is not None:
+            return math.inf, f"{name} loss is {curve[bad]} at step {bad}"
+    rel, at = max_rel_diff(parallel, serial)
+    if rel <= tol:
+        return rel, ""
+    if at >= min(len(parallel), len(serial)):
+        return rel, f"loss curves differ in length ({len(parallel)} vs {len(serial)} steps)"
+    return rel, (
+        f"loss curves disagree: max relative difference {rel:.2e} > tol {tol:.0e} "
+        f"(step {at}: parallel {parallel[at]:.6f}, serial {serial[at]:.6f})"
+    )
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def slower_reason(device: str, ranks: int, parallel_s: float, serial_s: float) -> str:
+    """One line explaining a parallel step slower than the serial one ('' when it is not)."""
+    if parallel_s <= serial_s:
+        return ""
+    why = []
+    if device == "cpu":
+        cores = usable_cores()
+        if ranks > cores:
+            why.append(f"{ranks} ranks share {cores} CPU core{'s' * (cores > 1)} on this machine")
+        why.append("collectives go over gloo through the CPU, competing with the matmuls")
+    why.append("a model this small has too little compute per rank to hide its communication")
+    return (f"parallel step is {parallel_s / serial_s:.1f}x the serial one because "
+            + "; ".join(why))  # fmt: skip
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+HOW = {
+    "kda": "KDA state exchange over cp",
+    "mla": "Ulysses MLA over cp",
+    "mlp": "MC2 TP+SP over tp",
+    "grad sync": "all-reduce (world / cp)",
+    "other": "embedding, head, loss",
+}
+
+
+def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float) -> None:
+    mesh = record["mesh"]
+    print(
+        f"\nper layer, one step (tp={mesh['tp']} x cp={mesh['cp']}; bytes each rank receives "
+        "from its peers, counted on the traced step; time: slowest rank, mean over steps)"
+    )
+    head = f"{'layer':<12} {'parallelism':<42} {'recv/rank (max)':>16} {'total recv':>12} " \
+           f"{'fwd ms':>8} {'bwd ms':>8}"  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for row in record["layers"]:
+        kind = row["layer"].split(":")[-1]
+        par = HOW.get(kind, "")
+        if kind in ("kda", "mla") and mesh["tp"] > 1:
+            par += " + tp gather"
+        recv = row["recv_bytes_per_rank"]
+        fwd, bwd = (
+            f"{row[k] * 1e3:.1f}" if row[k] is not None else "-" for k in ("fwd_s", "bwd_s")
+        )
+        print(
+            f"{row['layer']:<12} {par:<42} {fmt_bytes(max(recv)):>16} "
+            f"{fmt_bytes(sum(recv)):>12} {fwd:>8} {bwd:>8}"
+        )
+    print(f"median step: parallel {parallel_s * 1e3:.0f} ms, serial {serial_s * 1e3:.0f} ms")
+
+
+def plot_curves(path: Path, parallel: list[float], serial: list[float], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = range(1, len(serial) + 1)
+    ax.plot(steps, serial, label="serial (1 process)", linewidth=2.5, alpha=0.6)
+    ax.plot(steps, parallel, label="parallel (TP + CP)", linestyle="--", marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

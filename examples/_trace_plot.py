@@ -1,0 +1,105 @@
+"""A picture of the recorded training step, drawn from the same events as the Perfetto JSON.
+
+One pair of lanes per rank: ``compute`` (tid 0: each layer's forward/backward span, the spans
+recorded inside it, time blocked in a wait) and, right under it, ``comm`` (tid 1: each
+collective recorded by hp-context-parallel's ``record_events`` from launch to the end of its
+wait). A collective bar under a compute bar is communication hidden behind compute; a red
+``wait`` span is communication that was not. The layers that do not record their collectives
+(MC2, KDA, the gradient all-reduce) show their communication inside their compute spans.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+KIND_COLOURS = {"kda": "#4C72B0", "mla": "#DD8452", "mlp": "#55A868"}
+INNER = "#8172B3"
+WAIT = "#C44E52"
+COMM = "#937860"
+OTHER = "#8C8C8C"
+
+
+def spans_by_rank(trace: dict[str, Any]) -> dict[int, dict[int, list[dict[str, Any]]]]:
+    """``{pid: {tid: [span, ...]}}`` of the complete ('X') events, each lane sorted by start."""
+    lanes: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X":
+            lanes.setdefault(int(e["pid"]), {}).setdefault(int(e.get("tid", 0)), []).append(e)
+    for per_tid in lanes.values():
+        for spans in per_tid.values():
+            spans.sort(key=lambda e: (e["ts"], -e["dur"]))
+    return lanes
+
+
+def nesting_depth(spans: list[dict[str, Any]]) -> list[int]:
+    """Depth of each span (sorted by start) inside the spans that enclose it."""
+    depth: list[int] = []
+    open_ends: list[float] = []
+    for e in spans:
+        while open_ends and open_ends[-1] <= e["ts"]:
+            open_ends.pop()
+        depth.append(len(open_ends))
+        open_ends.append(e["ts"] + e["dur"])
+    return depth
+
+
+def _colour(name: str) -> tuple[str, float]:
+    if name.startswith("wait "):
+        return WAIT, 1.0
+    if name.startswith("layer "):
+        kind = name.split(":", 1)[-1].split()[0]
+        return KIND_COLOURS.get(kind, OTHER), 0.45 if "(backward)" in name else 0.8
+    return INNER, 0.9
+
+
+def _draw_lane(ax: Any, spans: list[dict[str, Any]], y: float, comm: bool, t_end: float) -> None:
+    depths = [0] * len(spans) if comm else nesting_depth(spans)
+    for e, d in zip(spans, depths, strict=True):
+        colour, alpha = (COMM, 0.8) if comm else _colour(e["name"])
+        height = 0.8 * (0.62**d)
+        start, width = e["ts"] / 1e3, max(e["dur"] / 1e3, t_end * 2e-4)
+        ax.broken_barh([(start, width)], (y - 0.4, height), facecolors=colour, alpha=alpha,
+                       edgecolor="white" if d == 0 else "none", linewidth=0.3)  # fmt: skip
+        if d == 0 and not comm and width > t_end * 0.045 and e["name"].startswith("layer "):
+            label = e["name"].removeprefix("layer ").replace(" (forward)", "")
+            label = label.replace(" (backward)", " bwd")
+            ax.text(start + width / 2, y - 0.4 + height * 0.78, label, ha="center",
+                    va="center", fontsize=6)  # fmt: skip
+
+
+def plot_trace(trace: dict[str, Any], path: Path, title: str) -> None:
+    """Write a PNG timeline of ``trace`` (Chrome trace dict, one pid per rank) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    lanes = spans_by_rank(trace)
+    ranks = sorted(lanes)
+    t_end = max((e["ts"] + e["dur"]) / 1e3 for r in ranks for s in lanes[r].values() for e in s)
+    fig, ax = plt.subplots(figsize=(12, 0.9 + 1.1 * max(len(ranks), 1)))
+    ticks, labels = [], []
+    for i, rank in enumerate(ranks):
+        base = 2.6 * (len(ranks) - 1 - i)
+        for tid, y in ((0, base + 1.0), (1, base)):
+            _draw_lane(ax, lanes[rank].get(tid, []), y, comm=tid == 1, t_end=t_end)
+            ticks.append(y)
+            labels.append(f"rank {rank} {'compute' if tid == 0 else 'comm'}")
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_xlim(0, t_end * 1.01)
+    ax.set_xlabel("ms since the rank's first recorded event")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    legend = [Patch(color=c, label=f"{k} layer (dark: fwd, light: bwd)")
+              for k, c in KIND_COLOURS.items()]  # fmt: skip
+    legend += [Patch(color=INNER, label="compute inside a layer"),
+               Patch(color=WAIT, label="blocked in a wait"),
+               Patch(color=COMM, label="recorded collective in flight, launch to wait "
+                     "(MLA's; other layers' communication is inside their spans)")]  # fmt: skip
+    ax.legend(handles=legend, fontsize=7, loc="upper center", ncol=2,
+              bbox_to_anchor=(0.5, -0.16 - 0.05 / max(len(ranks), 1)))  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
