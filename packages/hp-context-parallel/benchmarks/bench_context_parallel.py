@@ -3,6 +3,11 @@ collectives for each strategy, and the latent strategy vs the expanded one, side
 interleaved, median; peak memory; and the bytes each rank receives from its peers per step,
 counted by the event recorder during one extra step (not estimated).
 
+Two blocks, the same shapes: this package's ``MultiHeadLatentAttention`` (records
+``cp_mla_fwd_bwd/*``) and the stock Hugging Face ``DeepseekV3Attention`` (transformers, records
+``cp_hf_deepseek_v3_fwd_bwd/*``; RoPE tables from its own rotary embedding at the rank's global
+positions, computed once outside the timed step). ``--block mla|deepseek_v3`` runs one.
+
     python packages/hp-context-parallel/benchmarks/bench_context_parallel.py \\
         --out bench.json [--quick]
     torchrun --nproc-per-node 2 packages/hp-context-parallel/benchmarks/bench_context_parallel.py \\
@@ -45,18 +50,16 @@ CASES = [
     ("latent_blocking", "latent", False),
 ]
 PAIRS = [
-    ("cp_mla_fwd_bwd/expanded_overlap_vs_blocking", "expanded_overlap", "expanded_blocking"),
-    ("cp_mla_fwd_bwd/latent_overlap_vs_blocking", "latent_overlap", "latent_blocking"),
-    ("cp_mla_fwd_bwd/latent_vs_expanded_overlap", "latent_overlap", "expanded_overlap"),
-    ("cp_mla_fwd_bwd/latent_vs_expanded_blocking", "latent_blocking", "expanded_blocking"),
+    ("expanded_overlap_vs_blocking", "expanded_overlap", "expanded_blocking"),
+    ("latent_overlap_vs_blocking", "latent_overlap", "latent_blocking"),
+    ("latent_vs_expanded_overlap", "latent_overlap", "expanded_overlap"),
+    ("latent_vs_expanded_blocking", "latent_blocking", "expanded_blocking"),
 ]
+BLOCKS = {"mla": "cp_mla_fwd_bwd", "deepseek_v3": "cp_hf_deepseek_v3_fwd_bwd"}
 
 
-def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    device = torch.device(cfg["device"])
-    dtype = DTYPES[cfg["dtype"]]
-    mesh = init_device_mesh(device.type, (ws,), mesh_dim_names=("cp",))
+def _mla_block(cfg: dict[str, Any], rank: int, ws: int) -> tuple[torch.nn.Module, Any]:
+    """This package's block; its forward takes the rank's hidden_states only."""
     config = MLAConfig(
         hidden_size=cfg["hidden"],
         num_heads=cfg["heads"],
@@ -67,24 +70,80 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         v_head_dim=cfg["v"],
     )
     torch.manual_seed(0)
-    base = MultiHeadLatentAttention(config).to(device=device, dtype=dtype)
-    models = {
-        name: parallelize_mla(copy.deepcopy(base), mesh, strategy=strategy, overlap=overlap)
-        for name, strategy, overlap in CASES
-    }
+    return MultiHeadLatentAttention(config), lambda m, x: m(x)
+
+
+def _deepseek_v3_block(cfg: dict[str, Any], rank: int, ws: int) -> tuple[torch.nn.Module, Any]:
+    """The stock HF DeepseekV3Attention with the same shapes; called like its decoder layer."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention,
+        DeepseekV3RotaryEmbedding,
+    )
+
+    config = DeepseekV3Config(
+        hidden_size=cfg["hidden"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["heads"],
+        q_lora_rank=cfg["q_lora"],
+        kv_lora_rank=cfg["kv_lora"],
+        qk_nope_head_dim=cfg["nope"],
+        qk_rope_head_dim=cfg["rope"],
+        v_head_dim=cfg["v"],
+        max_position_embeddings=cfg["tokens"],
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    module = DeepseekV3Attention(config, layer_idx=0)
+    s_local = cfg["tokens"] // ws
+    positions = torch.arange(rank * s_local, (rank + 1) * s_local)[None]
+    rotary = DeepseekV3RotaryEmbedding(config)
+    tables: dict[tuple, Any] = {}
+
+    def call(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        key = (x.device, x.dtype)
+        if key not in tables:  # the model computes these once per step for all layers
+            tables[key] = rotary.to(x.device)(x, positions.to(x.device))
+        return m(hidden_states=x, position_embeddings=tables[key], attention_mask=None)[0]
+
+    return module, call
+
+
+def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    device = torch.device(cfg["device"])
+    dtype = DTYPES[cfg["dtype"]]
+    mesh = init_device_mesh(device.type, (ws,), mesh_dim_names=("cp",))
     s_local = cfg["tokens"] // ws
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(1, s_local, cfg["hidden"], generator=g).to(device=device, dtype=dtype)
     dy = torch.randn(1, s_local, cfg["hidden"], generator=g).to(device=device, dtype=dtype)
     x.requires_grad_()
+    records = []
+    for block in cfg["blocks"]:
+        make = _mla_block if block == "mla" else _deepseek_v3_block
+        base, call = make(cfg, rank, ws)
+        base = base.to(device=device, dtype=dtype)
+        models = {
+            name: parallelize_mla(copy.deepcopy(base), mesh, strategy=strategy, overlap=overlap)
+            for name, strategy, overlap in CASES
+        }
+        del base
 
-    def step(model: torch.nn.Module) -> None:
-        for p in model.parameters():
-            p.grad = None
-        x.grad = None
-        model(x).backward(dy)
+        def step(model: torch.nn.Module, call: Any = call) -> None:
+            for p in model.parameters():
+                p.grad = None
+            x.grad = None
+            call(model, x).backward(dy)
 
-    cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
+        cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
+        records += _measure(cfg, block, cases, device, ws)
+    return records
+
+
+def _measure(
+    cfg: dict[str, Any], block: str, cases: dict[str, Any], device: torch.device, ws: int
+) -> list[dict[str, Any]]:
     times = interleaved_timing(cases, repeats=cfg["repeats"], warmup=cfg["warmup"], device=device)
     mem = {name: _peak_memory(fn, device) for name, fn in cases.items()}
     moved = {}
@@ -93,7 +152,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
             fn()
         moved[name] = rec.bytes_received()
     # values per token each strategy moves, from the shapes (a2a of Q, K, V, O vs Q, latent, O)
-    h, dq, dv = cfg["heads"], config.qk_head_dim, cfg["v"]
+    h, dq, dv = cfg["heads"], cfg["nope"] + cfg["rope"], cfg["v"]
     per_token = {
         "expanded": (h * dq * 2 + h * dv * 2) * (ws - 1) / ws,
         "latent": (h * dq + h * dv) * (ws - 1) / ws + (cfg["kv_lora"] + cfg["rope"]) * (ws - 1),
@@ -107,7 +166,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         strat_a, strat_b = a.split("_")[0], b.split("_")[0]
         records.append(
             bench_record(
-                name,
+                f"{BLOCKS[block]}/{name}",
                 times[a],
                 times[b],
                 peak_mem_ours=mem[a],
@@ -143,6 +202,7 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--kv-lora", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--block", choices=sorted(BLOCKS), default=None, help="default: both")
     a = p.parse_args(argv)
     # tokens, hidden, heads, kv_lora, q_lora, repeats
     dims = (1024, 512, 8, 128, 192, 3) if a.quick else (4096, 1024, 16, 256, 384, 5)
@@ -158,6 +218,7 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "rope": 32,
         "v": 64,
         "repeats": a.repeats or dims[5],
+        "blocks": [a.block] if a.block else list(BLOCKS),
         "warmup": 1,
     }
     return cfg, a.out

@@ -1,4 +1,4 @@
-"""The README example runs as written."""
+"""The README examples run as written."""
 
 from pathlib import Path
 
@@ -10,3 +10,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def test_readme_example_runs():
     out = run_markdown_example(README)
     assert "bytes received per rank:" in out
+
+
+def test_readme_hugging_face_model_example_runs():
+    out = run_markdown_example(README, index=1)
+    assert "max |hidden| per rank:" in out

@@ -1,8 +1,9 @@
 """hyper_parallel.context_parallel: Ulysses context parallelism for multi-head latent attention.
 
 Collectives (``ulysses_seq_to_head`` ...), hybrid Ulysses × all-gather attention, the serial
-DeepSeek MLA block, ``parallelize_mla`` (expanded or latent strategy, overlapped or blocking)
-and an event recorder with Chrome-trace export.
+DeepSeek MLA block, ``parallelize_mla`` (expanded or latent strategy, overlapped or blocking;
+for this package's block and the stock Hugging Face ``DeepseekV3Attention`` and
+``KimiLinearAttention``) and an event recorder with Chrome-trace export.
 """
 
 from hyper_parallel.context_parallel._version import __version__

@@ -34,6 +34,8 @@ __all__ = [
     "BLOCK_OWNER",
     "Group",
     "Work",
+    "leak_message",
+    "leaked_by",
     "pending_collectives",
     "raise_if_pending",
     "resolve_group",
