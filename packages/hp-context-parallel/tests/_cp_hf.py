@@ -16,7 +16,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
-from hyper_parallel.context_parallel import parallelize_mla, shard_sequence
+from hyper_parallel.context_parallel import parallelize_mla, record_events, shard_sequence
 from hyper_parallel.dtensor import flatten, init_device_mesh
 
 BATCH, SEQ, HIDDEN = 2, 16, 24
@@ -39,6 +39,7 @@ VARIANTS: dict[str, tuple[str, int | None, bool, bool, bool]] = {
     "kimi_qlora": ("kimi", 12, False, False, True),
 }
 COMBOS = list(itertools.product(VARIANTS, ("expanded", "latent"), (True, False)))
+RECORDED = "deepseek_interleave_yarn_qlora"
 
 
 def _sizes(heads: int, q_lora: int | None, bias: bool) -> dict[str, Any]:
@@ -159,7 +160,13 @@ def rank_parallel(combos: list[tuple[str, str, bool]]) -> dict[tuple, dict[str, 
         parallelize_mla(m, mesh, strategy=strategy, overlap=overlap)
         x, dy = inputs()
         block = torch.arange(r * SEQ // p, (r + 1) * SEQ // p)
-        res = _run(m, variant, shard_sequence(x, mesh), shard_sequence(dy, mesh), block)
+        args = (m, variant, shard_sequence(x, mesh), shard_sequence(dy, mesh), block)
+        if variant == RECORDED and overlap:  # the schedule of a stock module, as recorded
+            with record_events() as rec:
+                res = _run(*args)
+            res["events"] = [(e.kind, e.name, e.phase) for e in rec.events]
+        else:
+            res = _run(*args)
         res["same_parameters"] = params == [id(q) for q in m.parameters()]
         results[(variant, strategy, overlap)] = res
     return results

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cp_hf import COMBOS, VARIANTS, rank_parallel, serial_reference
+from _cp_hf import COMBOS, RECORDED, VARIANTS, rank_parallel, serial_reference
+from test_context_parallel_schedule import _Order
 
 from hyper_parallel.dtensor.testing import run_distributed
 
@@ -46,6 +47,20 @@ def test_stock_hf_mla_context_parallel_equals_serial_with_every_gradient(
     for r in per_rank:
         assert r["weights"] is None  # the forward returns (output, None)
         assert r["same_parameters"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_stock_module_runs_the_overlapped_schedule(world):
+    """The same schedule as ours: collectives in flight under independent projections."""
+    for rank_results in _parallel(world):
+        o = _Order(rank_results[(RECORDED, "expanded", True)]["events"])
+        o.in_flight_during("a2a:k", "q_proj", "forward")
+        o.in_flight_during("a2a:dk", "q_proj", "backward")
+        o = _Order(rank_results[(RECORDED, "latent", True)]["events"])
+        o.in_flight_during("all_gather:latent", "q_proj", "forward")
+        o.in_flight_during("reduce_scatter:dlatent", "kv_b_proj.weight_grad", "backward")
+        o.in_flight_during("a2a:do", "o_proj.weight_grad", "backward")
 
 
 def test_the_variants_cover_both_rope_layouts_yarn_q_lora_and_nope():
