@@ -1,5 +1,5 @@
-"""Every documented error (README, "Errors") is raised on every rank before any process group is created, and
-the mesh keeps working afterwards.
+"""Every documented error (README, "Errors") is raised on every rank before any process group is
+created, and the mesh keeps working afterwards.
 
 Rejected inputs:
 - unflatten: dim index out of range, unknown dim name, len(sizes) != len(names), product of
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hyper_parallel.dtensor import flatten, init_device_mesh, unflatten
 from hyper_parallel.dtensor import groups as hp_groups
 from hyper_parallel.dtensor.mesh import use_fallback
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor.testing import free_port, run_distributed
 
 BAD_CALLS = {
     "dim_out_of_range": (lambda m: unflatten(m, 2, (2, 2), ("x", "y")), "out of range"),
@@ -79,9 +79,27 @@ def _raise_then_work(fallback):
     return out, int(t.item())
 
 
+def _both_paths():
+    """The native and the fallback path, one spawn (a new world for the second: fresh caches)."""
+    first = _raise_then_work(False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    port = torch.tensor([free_port() if rank == 0 else 0])
+    dist.broadcast(port, src=0)
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{int(port.item())}", rank=rank, world_size=world
+    )
+    return {False: first, True: _raise_then_work(True)}
+
+
+@pytest.fixture(scope="module")
+def both_paths():
+    return run_distributed(_both_paths, 8, timeout=240)
+
+
 @pytest.mark.parametrize("fallback", [False, True])
-def test_bad_input_raises_on_every_rank_before_any_group(fallback):
-    for per_case, after in run_distributed(_raise_then_work, 8, fallback, timeout=120):
+def test_bad_input_raises_on_every_rank_before_any_group(fallback, both_paths):
+    for per_case, after in (r[fallback] for r in both_paths):
         assert after == 2  # a valid unflatten still works after all the failures
         for name, (_, message) in BAD_CALLS.items():
             error, created, sums = per_case[name]

@@ -1,5 +1,11 @@
 """Meshes on real gloo ranks: unflatten keeps root and sibling groups, the group cache, flatten,
-rank order, and agreement of the native path, the fallback path and torch's own _unflatten."""
+rank order, and agreement of the native path, the fallback path and torch's own _unflatten.
+
+Starting ranks dominates the run time, so the checks share one spawn per world size (8, 4 and 2
+ranks, module-scoped fixtures) and each check runs in a new world of those ranks (a fresh
+rendezvous: hp-dtensor's group and mesh caches start empty, as in a newly started process).
+Each test asserts on its own check's results.
+"""
 
 import pytest
 import torch
@@ -18,6 +24,27 @@ from hyper_parallel.dtensor.mesh import native_path_available, use_fallback
 from hyper_parallel.dtensor.testing import free_port, run_distributed
 
 TIMEOUT = 60
+SPAWN_TIMEOUT = 300  # one spawn runs every check of its world size
+
+
+def _new_world():
+    """Replace the default process group by a new one over the same ranks (new rendezvous)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    port = torch.tensor([free_port() if rank == 0 else 0])
+    dist.broadcast(port, src=0)
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{int(port.item())}", rank=rank, world_size=world
+    )
+
+
+def _each_in_a_new_world(jobs):
+    """``{key: fn(*args)}`` for each ``(key, fn, args)``, every one in a new world."""
+    out = {}
+    for key, fn, args in jobs:
+        _new_world()
+        out[key] = fn(*args)
+    return out
 
 
 def _group_ranks(mesh):
@@ -68,11 +95,11 @@ def _torch_unflatten_cases(cases):
     return out
 
 
-def test_native_and_fallback_agree_with_torch_unflatten():
-    reference = run_distributed(_torch_unflatten_cases, 8, CASES, timeout=TIMEOUT)
-    paths = {"fallback": run_distributed(_unflatten_cases, 8, True, CASES, timeout=TIMEOUT)}
+def test_native_and_fallback_agree_with_torch_unflatten(eight_ranks):
+    reference = [r["torch_unflatten"] for r in eight_ranks]
+    paths = {"fallback": [r["unflatten", True] for r in eight_ranks]}
     if native_path_available():
-        paths["native"] = run_distributed(_unflatten_cases, 8, False, CASES, timeout=TIMEOUT)
+        paths["native"] = [r["unflatten", False] for r in eight_ranks]
     assert native_path_available() == hasattr(torch.distributed.DeviceMesh, "_unflatten")
     for path, results in paths.items():
         for rank, (ours, ref) in enumerate(zip(results, reference)):
@@ -93,10 +120,18 @@ FOUR = {
 }
 
 
+def _two_rank_checks():
+    return {"ours": _unflatten_cases(True, SMALL), "torch": _torch_unflatten_cases(SMALL)}
+
+
 @pytest.mark.parametrize("world, cases", [(2, SMALL), (4, FOUR)])
-def test_unflatten_on_two_and_four_ranks_matches_torch(world, cases):
-    ours = run_distributed(_unflatten_cases, world, True, cases, timeout=TIMEOUT)
-    ref = run_distributed(_torch_unflatten_cases, world, cases, timeout=TIMEOUT)
+def test_unflatten_on_two_and_four_ranks_matches_torch(world, cases, four_ranks):
+    if world == 2:
+        both = run_distributed(_two_rank_checks, 2, timeout=TIMEOUT)
+        ours, ref = [b["ours"] for b in both], [b["torch"] for b in both]
+    else:
+        ours = [r["unflatten", True] for r in four_ranks]
+        ref = [r["torch_unflatten"] for r in four_ranks]
     for o, r in zip(ours, ref):
         for case in cases:
             assert o[case]["ranks"] == r[case]["ranks"]
@@ -125,8 +160,8 @@ def _sibling_replicas(fallback):
 
 
 @pytest.mark.parametrize("fallback", [False, True])
-def test_unflatten_creates_sibling_replica_groups(fallback):
-    results = run_distributed(_sibling_replicas, 8, fallback, timeout=TIMEOUT)
+def test_unflatten_creates_sibling_replica_groups(fallback, eight_ranks):
+    results = [r["siblings", fallback] for r in eight_ranks]
     inner = {r["inner"] for r in results}
     assert inner == {(0, 2), (4, 6), (1, 3), (5, 7)}
     assert {r["outer"] for r in results} == {(0, 4), (2, 6), (1, 5), (3, 7)}
@@ -158,8 +193,8 @@ def _cache_reuse(fallback):
 
 
 @pytest.mark.parametrize("fallback", [False, True])
-def test_repeated_unflatten_reuses_cached_groups(fallback):
-    for r in run_distributed(_cache_reuse, 8, fallback, timeout=TIMEOUT):
+def test_repeated_unflatten_reuses_cached_groups(fallback, eight_ranks):
+    for r in (rank["cache", fallback] for rank in eight_ranks):
         assert r == {
             "same_groups": True,
             "renamed_same": True,
@@ -183,8 +218,8 @@ def _keeps_untouched_dims(fallback):
 
 
 @pytest.mark.parametrize("fallback", [False, True])
-def test_unflatten_keeps_root_and_untouched_groups(fallback):
-    for r in run_distributed(_keeps_untouched_dims, 8, fallback, timeout=TIMEOUT):
+def test_unflatten_keeps_root_and_untouched_groups(fallback, eight_ranks):
+    for r in (rank["untouched", fallback] for rank in eight_ranks):
         assert r == (True, True, True, ("pp", "dpo", "dpi", "tp"))
 
 
@@ -206,8 +241,8 @@ def _flatten_behaviour(fallback):
 
 
 @pytest.mark.parametrize("fallback", [False, True])
-def test_flatten_noncontiguous_submesh(fallback):
-    results = run_distributed(_flatten_behaviour, 8, fallback, timeout=TIMEOUT)
+def test_flatten_noncontiguous_submesh(fallback, eight_ranks):
+    results = [r["flatten", fallback] for r in eight_ranks]
     assert results[0]["ac"] == (0, 1, 4, 5) and results[2]["ac"] == (2, 3, 6, 7)
     for r in results:
         assert r["name"] == ("a_c",) and r["root"] and r["self"]
@@ -230,8 +265,8 @@ def _rank_order_cases():
     return rank_list(swapped), errors
 
 
-def test_check_rank_order_rejects_permuted_and_multi_dim_meshes():
-    for ranks, errors in run_distributed(_rank_order_cases, 4, timeout=TIMEOUT):
+def test_check_rank_order_rejects_permuted_and_multi_dim_meshes(four_ranks):
+    for ranks, errors in (r["rank_order"] for r in four_ranks):
         assert ranks == (0, 2, 1, 3)
         assert len(errors) == 2
         assert "differs from its process group's rank order" in errors[0]
@@ -250,8 +285,8 @@ def _dtensor_on_unflattened(fallback):
 
 
 @pytest.mark.parametrize("fallback", [False, True])
-def test_dtensor_works_on_unflattened_mesh(fallback):
-    for same, shape in run_distributed(_dtensor_on_unflattened, 4, fallback, timeout=TIMEOUT):
+def test_dtensor_works_on_unflattened_mesh(fallback, four_ranks):
+    for same, shape in (r["dtensor", fallback] for r in four_ranks):
         assert same and shape == (2, 2)
 
 
@@ -270,6 +305,44 @@ def _reinit_world():
     return second is not first, new_group is not old_group, _sum_over(new_group)
 
 
-def test_meshes_and_groups_are_rebuilt_after_a_new_world():
-    for r in run_distributed(_reinit_world, 4, timeout=TIMEOUT):
+def test_meshes_and_groups_are_rebuilt_after_a_new_world(four_ranks):
+    for r in (rank["reinit"] for rank in four_ranks):
         assert r == (True, True, 2)
+
+
+# ---- one spawn per world size ---------------------------------------------------------------
+FALLBACKS = (False, True)
+EIGHT_RANK_JOBS = [("torch_unflatten", _torch_unflatten_cases, (CASES,))]
+for _fb in FALLBACKS:
+    EIGHT_RANK_JOBS += [
+        (("unflatten", _fb), _unflatten_cases, (_fb, CASES)),
+        (("siblings", _fb), _sibling_replicas, (_fb,)),
+        (("cache", _fb), _cache_reuse, (_fb,)),
+        (("untouched", _fb), _keeps_untouched_dims, (_fb,)),
+        (("flatten", _fb), _flatten_behaviour, (_fb,)),
+    ]
+FOUR_RANK_JOBS = [
+    ("torch_unflatten", _torch_unflatten_cases, (FOUR,)),
+    (("unflatten", True), _unflatten_cases, (True, FOUR)),
+    ("rank_order", _rank_order_cases, ()),
+    *[(("dtensor", _fb), _dtensor_on_unflattened, (_fb,)) for _fb in FALLBACKS],
+    ("reinit", _reinit_world, ()),
+]
+
+
+@pytest.fixture(scope="module")
+def eight_ranks():
+    """Every 8-rank check's results, by rank: ``[{key: result}]``."""
+    return run_distributed(_each_in_a_new_world, 8, EIGHT_RANK_JOBS, timeout=SPAWN_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(_each_in_a_new_world, 4, FOUR_RANK_JOBS, timeout=SPAWN_TIMEOUT)
+
+
+def test_shared_spawns_ran_every_check_on_every_rank(eight_ranks, four_ranks):
+    """Every job ran on every rank. That each ran with empty caches is what the cache and
+    sibling tests show (the unflatten cases before them create the same groups)."""
+    for results, jobs in ((eight_ranks, EIGHT_RANK_JOBS), (four_ranks, FOUR_RANK_JOBS)):
+        assert all(list(r) == [key for key, _, _ in jobs] for r in results)
