@@ -21,6 +21,7 @@ signature; :func:`unparallelize_kda` restores the class.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +141,7 @@ _CLASSES: dict[type, type] = {}
 def _cp_class(cls: type) -> type:
     if cls not in _CLASSES:
 
+        @functools.wraps(cls.forward)  # type: ignore[attr-defined]  # the stock signature and doc
         def forward(
             self: Any,
             hidden_states: torch.Tensor,
@@ -158,16 +160,16 @@ def _cp_class(cls: type) -> type:
 
 
 def _validate(module: Any, cp_mesh: Any, protocol: Any, group_size: Any) -> _KDAState:
+    if hasattr(module, _STATE):
+        raise RuntimeError(
+            "parallelize_kda was already applied to this module; call unparallelize_kda first"
+        )
     name = type(module).__name__
     missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
     if not isinstance(module, nn.Module) or name not in SUPPORTED_KDA_CLASSES or missing:
         raise TypeError(
             f"parallelize_kda supports {', '.join(SUPPORTED_KDA_CLASSES)} (Hugging Face "
             f"transformers), got {name}" + (f" without {missing}" if missing else "")
-        )
-    if hasattr(module, _STATE):
-        raise RuntimeError(
-            "parallelize_kda was already applied to this module; call unparallelize_kda first"
         )
     from hyper_parallel.dtensor import DeviceMesh
 
