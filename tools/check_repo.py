@@ -1,8 +1,8 @@
 """Repository invariants the linters do not know about (run by the lint session).
 
 - PEP 420 namespace: no ``hyper_parallel/__init__.py`` anywhere.
-- Each package has pyproject/README/CHANGELOG/py.typed/_version.py and its version in
-  exactly one place.
+- Each package has pyproject/README/CHANGELOG/py.typed/_version.py, its version in exactly
+  one place, and a pytest timeout of its own (``[tool.pytest.ini_options] timeout``).
 - Sibling pins: every ``hp-*`` requirement is a ``>=X.Y,<X.(Y+1)`` range (0.x) or
   ``>=X,<X+1`` that admits the sibling's current version.
 - One-way dependencies: the import-linter layers contract in pyproject.toml (enforced by
@@ -46,6 +46,9 @@ def check_package(pkg: pkgs.Package, known: dict[str, pkgs.Package]) -> list[str
         if not path.exists():
             problems.append(f"{pkg.dist}: missing {path.relative_to(ROOT)}")
     pyproject = (pkg.root / "pyproject.toml").read_text()
+    pytest_opts = pkgs.read_toml(pkg.root / "pyproject.toml").get("tool", {}).get("pytest", {})
+    if not pytest_opts.get("ini_options", {}).get("timeout"):
+        problems.append(f"{pkg.dist}: pyproject.toml needs [tool.pytest.ini_options] timeout")
     if 'dynamic = ["version"]' not in pyproject or re.search(r"^version\s*=", pyproject, re.M):
         problems.append(f"{pkg.dist}: version must come only from _version.py (dynamic)")
     for sib, spec in pkg.pins:
