@@ -103,7 +103,7 @@ def _run(m: Any, call: MLACall) -> Tensor:
     h = c.num_heads // st.size
     width = c.qk_nope_head_dim + c.v_head_dim  # kv_b_proj rows per head
 
-    def a2a(t: Tensor, name: str, kind: Any = "s2h") -> Exchange:
+    def a2a(name: str, kind: Any = "s2h") -> Exchange:  # [B, S(/P), H(/P), d]: seq 1, heads 2
         return Exchange(kind, st.group, 1, 2, f"a2a:{name}", BLOCK_OWNER)
 
     if st.strategy == "expanded":
@@ -111,18 +111,18 @@ def _run(m: Any, call: MLACall) -> Tensor:
         k, v = expand_kv(c, project_latent(m, c, xk, rope), m.kv_b_proj.weight)
         k, v = mark("kv_proj", False, k, v)
         if st.overlap:
-            ek, ev = a2a(k, "k"), a2a(v, "v")
+            ek, ev = a2a("k"), a2a("v")
             tk, tv = launch(k, ek), launch(v, ev)
         else:
-            k_h, v_h = blocking(k, a2a(k, "k")), blocking(v, a2a(v, "v"))
+            k_h, v_h = blocking(k, a2a("k")), blocking(v, a2a("v"))
         q = _q_branch(m, c, x, rope)
         if st.overlap:
-            eq = a2a(q, "q")
+            eq = a2a("q")
             tq = launch(q, eq)
             k_h, v_h = wait(tk, ek), wait(tv, ev)
             q_h = wait(tq, eq)
         else:
-            q_h = blocking(q, a2a(q, "q"))
+            q_h = blocking(q, a2a("q"))
     else:
         (xk,) = mark("kv_a_proj", True, x)
         lat = project_latent(m, c, xk, rope)
@@ -133,7 +133,7 @@ def _run(m: Any, call: MLACall) -> Tensor:
         if st.overlap:
             tg = launch(lat, eg)
             q = _q_branch(m, c, x, rope)
-            eq = a2a(q, "q")
+            eq = a2a("q")
             tq = launch(q, eq)
             kv, k_rope = WaitExpand.apply(tg, w, eg, rows, c.kv_lora_rank, width)
             k_h, v_h = split_kv(c, kv, k_rope)
@@ -141,7 +141,7 @@ def _run(m: Any, call: MLACall) -> Tensor:
         else:
             full = blocking(lat, eg)
             q = _q_branch(m, c, x, rope)
-            q_h = blocking(q, a2a(q, "q"))
+            q_h = blocking(q, a2a("q"))
             (full,) = mark("kv_b_proj", True, full)
             lat_full, k_rope = full.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
             k_h, v_h = split_kv(c, kv_heads(lat_full, w[rows], width), k_rope)
@@ -150,7 +150,7 @@ def _run(m: Any, call: MLACall) -> Tensor:
     q_h, k_h, v_h = mark("attention", True, q_h, k_h, v_h)
     o_h = causal_attention(q_h, k_h, v_h, scale)
     (o_h,) = mark("attention", False, o_h)
-    eo = a2a(o_h, "o", "h2s")
+    eo = a2a("o", "h2s")
     if st.overlap:
         to = launch(o_h, eo)
         return WaitLinear.apply(to, m.o_proj.weight, m.o_proj.bias, eo, c.v_head_dim)
