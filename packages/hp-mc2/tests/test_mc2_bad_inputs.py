@@ -10,16 +10,22 @@ import pytest
 import torch
 from _mc2_testutil import group_still_works, max_err, rank_and_size, seeded
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import hyper_parallel.mc2._collectives as collectives
+import hyper_parallel.mc2.gated_style as gated_style
+import hyper_parallel.mc2.styles as styles
 from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.mc2 import (
     MC2ColwiseParallel,
+    MC2GatedMLPParallel,
     MC2Linear,
     MC2RowwiseParallel,
     all_gather_matmul,
+    gated_mlp,
     matmul_reduce_scatter,
 )
 
@@ -38,6 +44,50 @@ def _row_module(seq_dim: int = 1) -> nn.Module:
 def _col_module(seq_dim: int = 1) -> nn.Module:
     torch.manual_seed(0)
     return parallelize_module(nn.Linear(6, 8), _mesh(), MC2ColwiseParallel(seq_dim))
+
+
+class _GatedMLP(nn.Module):
+    """Shaped like Hugging Face's LlamaMLP: down(act_fn(gate(x)) * up(x))."""
+
+    def __init__(self, act: nn.Module | None = None, bias: bool = False, ffn: int = 8) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(6, ffn, bias=bias)
+        self.up_proj = nn.Linear(6, ffn, bias=bias)
+        self.down_proj = nn.Linear(ffn, 6, bias=bias)
+        self.act_fn = act if act is not None else nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _gated_module() -> nn.Module:
+    torch.manual_seed(0)
+    return parallelize_module(_GatedMLP(), _mesh(), MC2GatedMLPParallel())
+
+
+def _without_up() -> nn.Module:
+    m = _GatedMLP()
+    del m.up_proj
+    return m
+
+
+def _meta_bias() -> nn.Module:
+    m = _GatedMLP(bias=True)
+    m.gate_proj.bias = nn.Parameter(torch.empty(8, device="meta"))
+    return m
+
+
+def _seq_dtensor(x: torch.Tensor) -> DTensor:
+    return DTensor.from_local(x, _mesh(), [Shard(1)], run_check=False)
+
+
+def _apply_gated(m: nn.Module, mesh=None, **style) -> nn.Module:
+    return parallelize_module(m, mesh or _mesh(), MC2GatedMLPParallel(**style))
+
+
+def _permuted_mesh() -> DeviceMesh:
+    """A 1-D mesh listing the ranks backwards; its group's rank order is ascending."""
+    return DeviceMesh("cpu", torch.arange(rank_and_size()[1]).flip(0))
 
 
 f32, f64 = torch.float32, torch.float64
@@ -152,6 +202,144 @@ CASES: dict[str, tuple[Callable | None, Callable, str, str]] = {
         "ValueError",
         "chunks must be a positive int",
     ),
+    # --- the gated MLP style and its functional form ---------------------------------------
+    "gated_dtensor_input": (
+        _gated_module,
+        lambda m: m(_seq_dtensor(torch.ones(2, 3, 6))),
+        "TypeError",
+        "must be this rank's sequence block as a local tensor [B, S/tp, D], got a DTensor",
+    ),
+    "functional_dtensor_input": (
+        None,
+        lambda _: all_gather_matmul(_seq_dtensor(torch.ones(4, 8)), torch.ones(6, 8)),
+        "TypeError",
+        "all_gather_matmul: x is a DTensor",
+    ),
+    "gated_missing_submodule": (
+        None,
+        lambda _: _apply_gated(_without_up()),
+        "ValueError",
+        "_GatedMLP has no up submodule 'up_proj'",
+    ),
+    "gated_renamed_submodule": (
+        None,
+        lambda _: _apply_gated(_GatedMLP(), gate="w1"),
+        "ValueError",
+        "has no gate submodule 'w1'",
+    ),
+    "gated_bias_on_other_device": (
+        None,
+        lambda _: _apply_gated(_meta_bias()),
+        "ValueError",
+        "_GatedMLP.gate_proj.bias is on meta but gate_proj.weight is on cpu",
+    ),
+    "gated_functional_bias_on_other_device": (
+        None,
+        lambda _: gated_mlp(
+            torch.ones(4, 6),
+            torch.ones(8, 6),
+            torch.ones(8, 6),
+            torch.ones(6, 8),
+            act_fn=torch.nn.functional.silu,
+            up_bias=torch.ones(8, device="meta"),
+        ),
+        "ValueError",
+        "bias is on meta but weight is on cpu",
+    ),
+    "gated_softmax_activation": (
+        None,
+        lambda _: _apply_gated(_GatedMLP(nn.Softmax(dim=-1))),
+        "ValueError",
+        "act_fn Softmax(dim=-1) is not known to be per-element",
+    ),
+    "gated_glu_activation": (
+        None,
+        lambda _: _apply_gated(_GatedMLP(nn.GLU())),
+        "ValueError",
+        "is not known to be per-element",
+    ),
+    "gated_activation_with_parameters": (
+        None,
+        lambda _: _apply_gated(_GatedMLP(nn.PReLU())),
+        "ValueError",
+        "has parameters",
+    ),
+    "gated_inplace_activation": (
+        None,
+        lambda _: _apply_gated(_GatedMLP(nn.ReLU(inplace=True))),
+        "ValueError",
+        "is in-place",
+    ),
+    "gated_functional_user_activation": (
+        None,
+        lambda _: gated_mlp(
+            torch.ones(4, 6),
+            torch.ones(8, 6),
+            torch.ones(8, 6),
+            torch.ones(6, 8),
+            act_fn=lambda t: t.softmax(-1),
+        ),
+        "ValueError",
+        "is not known to be per-element",
+    ),
+    "gated_ffn_not_divisible": (
+        None,
+        lambda _: _apply_gated(_GatedMLP(ffn=4 * rank_and_size()[1] + 1)),
+        "ValueError",
+        "is not divisible by the tp size",
+    ),
+    "gated_2d_mesh": (
+        None,
+        lambda _: parallelize_module(
+            _GatedMLP(),
+            init_device_mesh("cpu", (rank_and_size()[1], 1), mesh_dim_names=("cp", "tp")),
+            MC2GatedMLPParallel(),
+        ),
+        "ValueError",
+        "needs a 1-D tensor-parallel mesh (e.g. mesh['tp']), got a 2-D mesh",
+    ),
+    "gated_permuted_mesh": (
+        _permuted_mesh,
+        lambda mesh: _apply_gated(_GatedMLP(), mesh),
+        "ValueError",
+        "differs from its process group's rank order",
+    ),
+    "colwise_permuted_mesh": (
+        _permuted_mesh,
+        lambda mesh: parallelize_module(nn.Linear(6, 8), mesh, MC2ColwiseParallel()),
+        "ValueError",
+        "differs from its process group's rank order",
+    ),
+    "gated_twice": (
+        _gated_module,
+        lambda m: _apply_gated(m),
+        "RuntimeError",
+        "this _GatedMLP is already parallelized",
+    ),
+    "gated_features_differ": (
+        _gated_module,
+        lambda m: m(torch.ones(2, 3, 5)),
+        "ValueError",
+        "input has 5 features but the module's hidden size is 6",
+    ),
+    "gated_dtype_mix": (
+        _gated_module,
+        lambda m: m(torch.ones(2, 3, 6, dtype=f64)),
+        "TypeError",
+        "input is fp64 but the weights are fp32",
+    ),
+    "gated_sequence_dim_is_feature_dim": (
+        lambda: _apply_gated(_GatedMLP(), sequence_dim=2),
+        lambda m: m(torch.ones(2, 3, 6)),
+        "ValueError",
+        "sequence_dim=2 is out of range for a 3-D input",
+    ),
+    "gated_bad_backend": (
+        None,
+        lambda _: MC2GatedMLPParallel(backend="cuda"),
+        "ValueError",
+        "backend must be one of",
+    ),
 }
 
 
@@ -167,6 +355,9 @@ def _reject_all(names: list[str]) -> dict:
 
     collectives.all_gather_single = counting(collectives.all_gather_single)
     collectives.reduce_scatter_single = counting(collectives.reduce_scatter_single)
+    # parameters are sharded (a broadcast/scatter) only after every check has passed
+    gated_style.distribute_tensor = counting(gated_style.distribute_tensor)
+    styles.distribute_tensor = counting(styles.distribute_tensor)
     outcome = {}
     for name in names:
         build, call, _, _ = CASES[name]

@@ -63,7 +63,9 @@ def _act_grads(act: Act, g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor) -> 
     with torch.enable_grad():
         g_ = g.detach().requires_grad_()
         a = act(g_)
-    gu = u.mul_(dh)  # dH ⊙ U, in U's storage
+    # dH ⊙ U, in U's storage unless U shares G's (the npu path's [G | U]): autograd saved G
+    shared = u.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()
+    gu = u * dh if shared else u.mul_(dh)
     du = dh.mul_(a.detach())  # dH ⊙ act(G), in dH's storage
     (dg,) = torch.autograd.grad(a, g_, gu)
     return dg, du

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ def _local(t: Any) -> Any:
 def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The parallel forward: ``x`` ``[..., S_local, ..., D]`` (this rank's block, sequence at
     ``sequence_dim``) -> ``[..., S_local, ..., D]``, this rank's block of the output."""
-    plan: _GatedPlan = self.mc2_gated
+    plan = cast(_GatedPlan, self.__dict__["mc2_gated"])
     gate, up, down = (getattr(self, n) for n in (plan.gate, plan.up, plan.down))
     wg, wu, wd = _local(gate.weight), _local(up.weight), _local(down.weight)
     bg, bu, bd = _local(gate.bias), _local(up.bias), _local(down.bias)
@@ -66,7 +66,7 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         wu,
         wd,
         plan.group,
-        act_fn=self.act_fn,
+        act_fn=cast(Any, self.act_fn),
         gate_bias=bg,
         up_bias=bu,
         down_bias=bd,
@@ -174,7 +174,7 @@ class MC2GatedMLPParallel(ParallelStyle):
     def _check_module(self, module: nn.Module, ws: int) -> None:
         """Everything that can fail, before distribute_tensor communicates."""
         kind = type(module).__name__
-        if getattr(module, "mc2_gated", None) is not None:
+        if "mc2_gated" in module.__dict__:
             raise RuntimeError(f"{_NAME}: this {kind} is already parallelized")
         gate, up, down = self._linears(module)
         if not hasattr(module, "act_fn"):
@@ -243,7 +243,7 @@ class MC2GatedMLPParallel(ParallelStyle):
             dp = distribute_tensor(p.detach(), device_mesh, [placement], **kwargs)
             lin.register_parameter(pname, nn.Parameter(dp, requires_grad=p.requires_grad))
         group = device_mesh.get_group()
-        module.mc2_gated = _GatedPlan(
+        module.__dict__["mc2_gated"] = _GatedPlan(
             self.gate, self.up, self.down, self.sequence_dim, self.backend, self.chunks, group
         )
         module.forward = types.MethodType(_gated_forward, module)  # type: ignore[method-assign]

@@ -12,6 +12,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
+from hyper_parallel.dtensor import check_rank_order
 from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel, Mode, check_sequence_dim
 
 __all__ = ["MC2ColwiseParallel", "MC2RowwiseParallel"]
@@ -48,6 +49,9 @@ class _MC2Style(ParallelStyle):
             raise ValueError(
                 f"{name} needs a 1-D tensor-parallel mesh, got a {device_mesh.ndim}-D mesh"
             )
+        # The gathers concatenate in group-rank order; the sequence blocks and the DTensor
+        # shards follow mesh order: the two must agree.
+        check_rank_order(device_mesh)
         # Shard the parameters the way torch's own Colwise/Rowwise styles do, so state dicts,
         # optimizers and FSDP see the same DTensor layout.
         kwargs: dict[str, Any] = {}
