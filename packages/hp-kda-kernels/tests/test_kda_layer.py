@@ -1,5 +1,6 @@
 """kda_context_parallel on 2 and 4 gloo ranks: forward, final state and every gradient equal the
-float64 serial reference on the whole sequence, for every protocol."""
+float64 serial reference on the whole sequence, for every protocol, with empty chunks too; the
+executor cache follows a new world."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch.distributed as dist
 from _kda_testutil import bounds, kda_inputs, max_rel_err
 
 from hyper_parallel.dtensor import init_device_mesh
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor.testing import free_port, run_distributed
 from hyper_parallel.kda import kda_context_parallel, naive_recurrent_kda
+from hyper_parallel.kda import layer as layer_mod
 
 # (B, T, H, K, V, chunk_size): lengths that no rank's chunk size divides; K = V = 128 included.
 SMALL = (2, 45, 2, 16, 32, 8)
@@ -54,7 +56,59 @@ def _layer_rank(P: int) -> list[Any]:
         loss.backward()
         out.append((o.detach(), hT if hT is None else hT.detach(), [x.grad for x in xs], h0.grad))
     out.append(_two_layers(mesh, P, r))
+    if P == 4:
+        out.append(_empty_chunks(mesh, r))
     return out
+
+
+# Empty chunks (T = 0) on a middle rank and on the last rank (which then holds the final state
+# without holding a token), with gradients: every rank must still join the backward exchange.
+EMPTY = {"middle": [0, 5, 5, 9, 12], "last": [0, 4, 8, 12, 12]}
+EMPTY_SHAPE = (2, 12, 2, 16, 32)
+
+
+def _empty_chunks(mesh: object, r: int) -> list[Any]:
+    out = []
+    for cuts in EMPTY.values():
+        for protocol in ("p2p", "allgather", "grouped"):
+            *qkvgb, h0 = kda_inputs(*EMPTY_SHAPE, seed=5)
+            xs = [x[:, cuts[r] : cuts[r + 1]].float().requires_grad_() for x in qkvgb]
+            h0 = h0.float().requires_grad_()
+            o, hT = kda_context_parallel(
+                *xs, mesh, protocol=protocol, initial_state=h0, output_final_state=True,
+                chunk_size=4,
+            )  # fmt: skip
+            loss = (o.double() * _weights(o.shape, seed=r)).sum()
+            if hT is not None:
+                loss = loss + (hT.double() ** 2).sum()
+            loss.backward()
+            out.append((o.detach(), hT, [x.grad for x in xs], h0.grad))
+    return out
+
+
+def _check_empty_chunks(results: list[Any]) -> None:
+    P = len(results)
+    i = 0
+    for name, cuts in EMPTY.items():
+        inputs = [x.requires_grad_() for x in kda_inputs(*EMPTY_SHAPE, seed=5)]
+        *qkvgb, h0 = inputs
+        o_ref, hT_ref = naive_recurrent_kda(*qkvgb, initial_state=h0, output_final_state=True)
+        assert hT_ref is not None
+        loss = (hT_ref**2).sum() + sum(
+            (o_ref[:, cuts[r] : cuts[r + 1]] * _weights(results[r][-1][i][0].shape, seed=r)).sum()
+            for r in range(P)
+        )
+        grads = torch.autograd.grad(loss, inputs)
+        for protocol in ("p2p", "allgather", "grouped"):
+            got = [results[r][-1][i] for r in range(P)]
+            tag = (name, protocol)
+            assert max_rel_err(torch.cat([g[0] for g in got], dim=1), o_ref) < 1e-4, tag
+            assert max_rel_err(got[-1][1], hT_ref) < 1e-4, tag
+            for j in range(5):
+                grad = torch.cat([g[2][j] for g in got], dim=1)
+                assert max_rel_err(grad, grads[j]) < 5e-4, (*tag, "qkvgb"[j])
+            assert max_rel_err(got[0][3], grads[5]) < 1e-4, (*tag, "h0")
+            i += 1
 
 
 def _two_layers(mesh: object, P: int, r: int) -> tuple[Any, ...]:
@@ -94,17 +148,48 @@ def test_context_parallel_kda_equals_serial_reference_forward_and_gradients(P: i
         assert max_rel_err(results[0][i][3], grads[5]) < 1e-4, (*tag, "h0")
         assert all(results[r][i][3] is None for r in range(1, P)), tag
 
+    two = -2 if P == 4 else -1  # the two-layer result (the empty-chunk results follow on 4)
     *qkvgb, _ = (x.requires_grad_() for x in kda_inputs(*SMALL[:5], seed=3))
     q, k, v, g, beta = qkvgb
     o1, _ = naive_recurrent_kda(q, k, v, g, beta)
     o2, _ = naive_recurrent_kda(q, k, o1, g, beta)
     cuts = bounds(SMALL[1], P)
     loss = sum(
-        (o2[:, cuts[r] : cuts[r + 1]] * _weights(results[r][-1][0].shape, seed=r)).sum()
+        (o2[:, cuts[r] : cuts[r + 1]] * _weights(results[r][two][0].shape, seed=r)).sum()
         for r in range(P)
     )
     grads = torch.autograd.grad(loss, qkvgb)
-    assert max_rel_err(torch.cat([res[-1][0] for res in results], dim=1), o2) < 1e-4
+    assert max_rel_err(torch.cat([res[two][0] for res in results], dim=1), o2) < 1e-4
     for j in range(5):
-        got = torch.cat([res[-1][1][j] for res in results], dim=1)
+        got = torch.cat([res[two][1][j] for res in results], dim=1)
         assert max_rel_err(got, grads[j]) < 5e-4, "qkvgb"[j]
+    if P == 4:
+        _check_empty_chunks(results)
+
+
+def _new_world() -> tuple[Any, ...]:
+    """The executor cache follows a new world: after destroy_process_group and a new
+    init_process_group, an equal mesh gets a new executor bound to the new group."""
+    P, r = dist.get_world_size(), dist.get_rank()
+    *qkvgb, _ = kda_inputs(*SMALL[:5], seed=3)
+    lo, hi = bounds(SMALL[1], P)[r : r + 2]
+    xs = [x[:, lo:hi].float() for x in qkvgb]
+    mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("cp",))
+    o1, _ = kda_context_parallel(*xs, mesh, protocol="p2p", chunk_size=8)
+    ex1 = layer_mod.executor_for(mesh, "p2p", None, "auto", None)
+    port = torch.tensor([free_port() if r == 0 else 0])
+    dist.broadcast(port, src=0)
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{int(port.item())}", rank=r, world_size=P
+    )
+    mesh2 = init_device_mesh("cpu", (P,), mesh_dim_names=("cp",))
+    o2, _ = kda_context_parallel(*xs, mesh2, protocol="p2p", chunk_size=8)
+    ex2 = layer_mod.executor_for(mesh2, "p2p", None, "auto", None)
+    return mesh2 == mesh, ex2 is not ex1, ex2.group is mesh2.get_group(0), torch.equal(o1, o2)
+
+
+def test_executor_cache_follows_a_new_world() -> None:
+    for equal_mesh, new_executor, new_group, same_result in run_distributed(_new_world, 2):
+        assert equal_mesh  # torch compares meshes by structure: the key alone cannot tell
+        assert new_executor and new_group and same_result

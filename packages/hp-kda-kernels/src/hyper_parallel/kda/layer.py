@@ -50,7 +50,8 @@ def executor_for(
 
 class _ExchangeFn(torch.autograd.Function):
     """``(S_r, M_r) ↦ h_in(r)``; keeps only the rank's own ``M`` and ``h_in`` for backward.
-    ``anchors`` (no gradient) only tie the node into the graph of a rank with an empty chunk."""
+    ``anchors`` (empty tensors, zero gradient) only tie the node into the autograd graph of a
+    rank whose chunk is empty."""
 
     @staticmethod
     def forward(
@@ -58,7 +59,7 @@ class _ExchangeFn(torch.autograd.Function):
     ) -> torch.Tensor:
         h_in = ex.forward(S, M)
         ctx.ex = ex
-        ctx.n_anchors = len(anchors)
+        ctx.anchors = [(a.shape, a.dtype, a.device) for a in anchors]
         ctx.save_for_backward(M, h_in)
         return h_in
 
@@ -66,7 +67,8 @@ class _ExchangeFn(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         M, h_in = ctx.saved_tensors
         g_out = ctx.ex.backward(grad.to(torch.float32).contiguous(), M)
-        return (g_out, g_out @ h_in.transpose(-1, -2), None, *([None] * ctx.n_anchors))
+        empty = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.anchors]
+        return (g_out, g_out @ h_in.transpose(-1, -2), None, *empty)
 
 
 def kda_context_parallel(
