@@ -192,5 +192,7 @@ def demo(session: nox.Session) -> None:
     """The main job: train the hybrid model with TP + CP on local ranks, check against serial."""
     _install_packages(session, _packages(), extra="test")
     _install(session, "-r", str(ROOT / "examples" / "requirements.txt"))
+    # on Ctrl-C the job needs a moment to end torchrun and every rank: nox's default is to
+    # escalate to SIGKILL after half a second
     session.run("python", str(ROOT / "examples" / "train_hybrid.py"), *session.posargs,
-                env=_env())  # fmt: skip
+                env=_env(), interrupt_timeout=15.0)  # fmt: skip

@@ -46,9 +46,25 @@ def main(argv: list[str]) -> int:
     nox_args = COMMANDS[command] + rest if command in COMMANDS else argv
     py = _tools_python()
     env = {**os.environ, "PATH": f"{TOOLS / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-    return subprocess.run(
+    proc = subprocess.Popen(
         [str(py), "-m", "nox", "-f", str(ROOT / "noxfile.py"), *nox_args], cwd=ROOT, env=env
-    ).returncode
+    )
+    return _wait(proc)
+
+
+def _wait(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
+    """Wait for nox. Ctrl-C reaches nox (and what it runs) directly from the terminal: give it
+    ``grace_s`` to shut its session down (the main job ends torchrun and every rank) instead
+    of killing it at once; a second Ctrl-C kills it."""
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        pass
+    try:
+        return proc.wait(timeout=grace_s)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        proc.kill()
+        return proc.wait()
 
 
 if __name__ == "__main__":
