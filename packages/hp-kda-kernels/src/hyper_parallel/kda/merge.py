@@ -6,12 +6,14 @@ every later rank (backward: ``acc = 0; for j = P-1 … r+1: acc = M_jᵀ acc + G
 ``affine_scan`` folds an ordered ``range`` of group slots from an incoming state and can return
 the intermediate prefix too (the grouped exchange needs both). Two backends share one
 signature: ``"torch"`` (batched matmuls, always available) and ``"triton"`` (one kernel, fp32
-accumulation, exact fp32 dots); ``"auto"`` takes Triton only on CUDA/NPU when it is importable
-and K, V are supported, and :func:`choose_backend` says why.
+accumulation, exact fp32 dots); ``"auto"`` takes Triton only on CUDA/NPU when it is importable,
+K and V are supported and (CUDA) the kernel fits the device's shared memory, and
+:func:`choose_backend` says why.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -19,18 +21,57 @@ import torch
 
 from ._checks import check_kernel_dims, check_summary_pair
 
-__all__ = ["affine_merge", "affine_scan", "choose_backend"]
+__all__ = ["affine_merge", "affine_scan", "choose_backend", "triton_fold_shared_memory"]
 
 _BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_fold_shared_memory(K: int, V: int) -> int:
+    """Bytes of shared memory the Triton fold kernel needs on a CUDA device (an estimate).
+
+    The exact-fp32 dots stage both operands in shared memory: one ``KB×KB`` by ``KB×BV`` dot
+    per step for K ≤ 64, four of them (the 64-row halves of K = 128) otherwise, plus one
+    ``KB×BV`` tile of layout-conversion scratch and 3 KiB of bookkeeping. At K = 128, BV = 64
+    that is 147 KiB, what the compiled kernel asks for: more than the 99 KiB of sm_86/sm_89
+    cards or the 64 KiB of sm_75, within the 227 KiB of sm_90.
+    """
+    KB, BV = min(64, K), min(64, V)
+    dots = (K // KB) ** 2
+    return 4 * (dots * (KB * KB + KB * BV) + KB * BV) + 3 * 1024
+
+
+def _device_shared_memory(dev: torch.device) -> int | None:
+    """Opt-in shared memory per block of a CUDA device in bytes, or None when unknown."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _query_shared_memory(index)
+
+
+@functools.cache
+def _query_shared_memory(index: int) -> int | None:
+    try:
+        value = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+        if value:
+            return int(value)
+        import triton
+
+        return int(
+            triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+        )
+    except Exception:
+        return None
 
 
 def choose_backend(
     device: torch.device | str, K: int, V: int, backend: str = "auto"
 ) -> tuple[str, str]:
-    """Resolve ``backend`` for summaries on ``device`` with dims ``K, V``: ``(name, reason)``.
+    """Resolve ``backend`` (the fold backend: ``"torch"`` or ``"triton"``) for summaries on
+    ``device`` with dims ``K, V``: ``(name, reason)``.
 
-    Raises ``ValueError`` for an unknown backend or an explicit ``"triton"`` that cannot run.
-    Never imports Triton.
+    ``"auto"`` takes Triton only on CUDA/NPU when it is importable, K and V are supported and,
+    on CUDA, the kernel's shared memory (:func:`triton_fold_shared_memory`) fits the device's
+    opt-in limit; otherwise torch, and the reason says why. Raises ``ValueError`` for an
+    unknown backend or an explicit ``"triton"`` that cannot run. Imports Triton only to read a
+    CUDA device's limit when torch does not report it.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
@@ -46,6 +87,8 @@ def choose_backend(
             raise ValueError("backend 'triton' requested but triton is not installed")
         if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend 'triton' on CPU tensors needs TRITON_INTERPRET=1")
+        if dev.type == "cuda" and (too_big := _shared_memory_problem(dev, K, V)):
+            raise ValueError(f"backend 'triton' cannot run here: {too_big}")
         return "triton", "requested"
     if dev.type not in ("cuda", "npu"):
         return "torch", f"device {dev.type}: the Triton kernels target CUDA/NPU"
@@ -53,7 +96,21 @@ def choose_backend(
         return "torch", bad_dims
     if not has_triton:
         return "torch", "triton is not installed"
+    if dev.type == "cuda" and (too_big := _shared_memory_problem(dev, K, V)):
+        return "torch", too_big
     return "triton", f"{dev.type} device, triton importable, K={K} and V={V} supported"
+
+
+def _shared_memory_problem(dev: torch.device, K: int, V: int) -> str | None:
+    need, have = triton_fold_shared_memory(K, V), _device_shared_memory(dev)
+    if have is None:
+        return f"the shared memory of {dev} is unknown; the Triton fold needs {need} B"
+    if need > have:
+        return (
+            f"the Triton fold needs {need // 1024} KiB of shared memory at K={K}, V={V}; "
+            f"{dev} allows {have // 1024} KiB per block"
+        )
+    return None
 
 
 def _check_index(value: object, name: str) -> int:
