@@ -127,6 +127,14 @@ def config_of(args: argparse.Namespace) -> hm.HybridConfig:
     )
 
 
+def build_mesh(args: argparse.Namespace, world: int) -> Any:
+    """The 2-D mesh the model is parallelised over (the process group is initialised)."""
+    from hyper_parallel.dtensor import init_device_mesh, unflatten
+
+    root = init_device_mesh(args.device, (world,), mesh_dim_names=("world",))
+    return unflatten(root, "world", (args.tp, args.cp), ("tp", "cp"))
+
+
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     """The serial model; ``model(tokens [B, S]) -> logits [B, S, vocab]``."""
     torch.manual_seed(args.seed)
@@ -231,14 +239,11 @@ class RankRun:
 
 
 def _setup(args: argparse.Namespace, rank: int, world: int) -> RankRun:
-    from hyper_parallel.dtensor import init_device_mesh, unflatten
-
     if world != args.tp * args.cp:
         raise ValueError(f"world size {world} != tp*cp = {args.tp * args.cp}")
     device = _device(args.device)
     dist.init_process_group(BACKENDS[args.device], timeout=timedelta(seconds=args.rank_timeout))
-    root = init_device_mesh(args.device, (world,), mesh_dim_names=("world",))
-    mesh = unflatten(root, "world", (args.tp, args.cp), ("tp", "cp"))
+    mesh = build_mesh(args, world)
     model = build_model(args, device)
     parallelize(model, mesh, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
