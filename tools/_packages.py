@@ -60,8 +60,8 @@ class Package:
 
 
 def _mini_toml(text: str) -> dict[str, Any]:
-    """The TOML subset our pyproject files use (tables, strings, lists of strings), for a
-    Python 3.10 interpreter without tomllib/tomli."""
+    """The TOML subset our pyproject files use (tables, arrays of tables, strings, numbers,
+    booleans, lists of strings), for a Python 3.10 interpreter without tomllib."""
     data: dict[str, Any] = {}
     table = data
     lines = iter(text.splitlines())
@@ -70,13 +70,22 @@ def _mini_toml(text: str) -> dict[str, Any]:
         if not line or line.startswith("#"):
             continue
         if line.startswith("["):
+            *parents, last = [part.strip() for part in line.strip("[]").split(".")]
             table = data
-            for part in line.strip("[]").split("."):
-                table = table.setdefault(part.strip(), {})
+            for part in parents:
+                table = table.setdefault(part, {})
+            if line.startswith("[["):  # array of tables
+                table.setdefault(last, []).append({})
+                table = table[last][-1]
+            else:
+                table = table.setdefault(last, {})
             continue
         key, _, value = (s.strip() for s in line.partition("="))
         while value.startswith("[") and value.count("[") > value.count("]"):
             value += next(lines).split(" #")[0].strip()
+        if value in ("true", "false"):
+            table[key] = value == "true"
+            continue
         try:
             table[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
