@@ -19,7 +19,8 @@ from hyper_parallel.models.testing import random_batch, tiny_model
 
 SEQ = 16
 STEPS = 3
-LR = 0.05
+LR = 0.5  # SGD with momentum: updates stay linear in the gradients (Adam would amplify
+# float32-level noise in near-zero gradients to full-size steps)
 
 
 def _flops(fn: Any) -> int:
@@ -35,8 +36,8 @@ def _train(kind: str, cp: int, tp: int, options: dict[str, Any]) -> dict[str, An
     serial = tiny_model(kind, seed=0, dtype=torch.float64)
     model = tiny_model(kind, seed=0, dtype=st.dtype()).to(device)
     parallelize_model(model, mesh, **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(serial.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(serial.parameters(), lr=LR, momentum=0.9)
     report: dict[str, Any] = {"losses": [], "ref_losses": []}
     for step in range(STEPS):
         batch = random_batch(seq=SEQ, seed=step + 1)
@@ -107,5 +108,6 @@ def test_stock_model_trains_like_serial(kind, cp, tp, options):
         assert r["replicas_equal"], f"rank {rank}: replicated parameters diverged"
         assert r["n_grads"] > 20
         assert r["losses"] == results[0]["losses"], "ranks report different losses"
-        # every rank runs about 1/P of the serial forward (plus the KDA state summaries)
-        assert r["flops"] < 0.5 * r["serial_flops"], (r["flops"], r["serial_flops"])
+        # every rank runs at most 1/P of the serial forward's FLOPs (measured: exactly 1/P for
+        # DeepSeek-V3; 0.6/P for Kimi-Linear, whose serial torch KDA works on 64-token chunks)
+        assert r["flops"] * cp * tp <= 1.02 * r["serial_flops"], (r["flops"], r["serial_flops"])
