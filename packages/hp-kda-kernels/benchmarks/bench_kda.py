@@ -8,6 +8,9 @@
 3. ``kda_context_parallel`` (forward + backward) at 2 ranks vs the serial chunked layer on the
    whole sequence on one rank (parallel efficiency = serial / (P · parallel)).
 4. On CUDA only: the Triton merge kernel vs the torch backend.
+5. The stock Hugging Face ``KimiLinearDeltaAttention`` (hidden 1024, 8 heads of 128, T = 8192;
+   transformers needed) under ``parallelize_kda`` at 2 and 4 ranks vs the stock serial layer
+   on the whole sequence: time, peak memory, bytes received per rank (state exchange + halo).
 
     python packages/hp-kda-kernels/benchmarks/bench_kda.py --out bench-results/kda.json [--quick]
     torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/bench_kda.py \
@@ -19,13 +22,14 @@ launched ranks and the device's backend. Rank 0 writes the records.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.dtensor import init_device_mesh
+from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.benchmarking import (
     bench_arguments,
     bench_record,
@@ -42,6 +46,7 @@ from hyper_parallel.kda import (
     chunk_kda,
     kda_context_parallel,
     naive_state_summary,
+    parallelize_kda,
     state_summary,
 )
 from hyper_parallel.kda import exchange as exchange_mod
@@ -103,23 +108,30 @@ def _bench_summary(k: Any, v: Any, g: Any, beta: Any, cfg: dict[str, Any]) -> li
 
 # ---- 2. exchange protocols -----------------------------------------------------------------
 class _ByteCounter:
-    """Counts bytes this rank receives at the exchange's collectives while active."""
+    """Counts bytes this rank receives while active: at the state exchange's collectives
+    (``bytes``) and at the short-convolution halo's receives (``halo_bytes``)."""
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.halo_bytes = 0
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> _ByteCounter:
         me = dist.get_rank()
         self._saved = {
             "recv": dist.recv,
+            "irecv": dist.irecv,
             "broadcast": dist.broadcast,
-            "gather": exchange_mod._all_gather_single,
+            "gather": exchange_mod.all_gather_single,
         }
 
         def recv(t: torch.Tensor, *a: Any, **kw: Any) -> Any:
             self.bytes += t.nbytes
             return self._saved["recv"](t, *a, **kw)
+
+        def irecv(t: torch.Tensor, *a: Any, **kw: Any) -> Any:  # only the halo uses irecv
+            self.halo_bytes += t.nbytes
+            return self._saved["irecv"](t, *a, **kw)
 
         def broadcast(t: torch.Tensor, src: int, *a: Any, **kw: Any) -> Any:
             self.bytes += t.nbytes if src != me else 0
@@ -129,14 +141,14 @@ class _ByteCounter:
             self.bytes += out.nbytes - inp.nbytes
             return self._saved["gather"](out, inp, *a, **kw)
 
-        dist.recv, dist.broadcast = recv, broadcast  # type: ignore[assignment]
-        exchange_mod._all_gather_single = gather
+        dist.recv, dist.irecv, dist.broadcast = recv, irecv, broadcast  # type: ignore[assignment]
+        exchange_mod.all_gather_single = gather
         return self
 
     def __exit__(self, *exc: object) -> None:
-        dist.recv = self._saved["recv"]
+        dist.recv, dist.irecv = self._saved["recv"], self._saved["irecv"]
         dist.broadcast = self._saved["broadcast"]
-        exchange_mod._all_gather_single = self._saved["gather"]
+        exchange_mod.all_gather_single = self._saved["gather"]
 
 
 def bench_exchange(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
@@ -252,6 +264,86 @@ def bench_layer(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any
     ]
 
 
+# ---- 5. the stock Hugging Face KDA layer, parallelized ---------------------------------------
+def _stock_layer(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """A stock ``KimiLinearDeltaAttention`` on its PyTorch path, HF's initialisation."""
+    from transformers import KimiLinearConfig
+
+    from hyper_parallel.kda.testing import import_torch_path
+
+    kimi = import_torch_path("transformers.models.kimi_linear.modeling_kimi_linear")
+    H, K = cfg["stock_heads"], 128
+    config = KimiLinearConfig(
+        hidden_size=cfg["stock_hidden"], num_hidden_layers=1,
+        linear_attn_config={"head_dim": K, "num_heads": H, "short_conv_kernel_size": 4},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = kimi.KimiLinearDeltaAttention(config, layer_idx=0)
+    with torch.no_grad():  # the bare layer leaves the gate's A_log and dt_bias uninitialised
+        layer.forget_gate.A_log.uniform_(1.0, 16.0).log_()
+        layer.forget_gate.dt_bias.uniform_(-7.0, -2.3)
+    return layer.to(device)
+
+
+def bench_stock_layer(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    """``parallelize_kda`` on the stock layer (forward + backward of the rank's block) vs the
+    stock serial layer on the whole sequence (rank 0 only: one serial copy in memory)."""
+    P, r = dist.get_world_size(), dist.get_rank()
+    T, D = cfg["stock_T"], cfg["stock_hidden"]
+    mesh = init_device_mesh(device.type, (P,), mesh_dim_names=("cp",))
+    serial = _stock_layer(cfg, device)
+    parallel = parallelize_kda(copy.deepcopy(serial), mesh, protocol="auto")
+    # the same rewritten layer on a one-rank mesh: our math, serial (no communication)
+    solo = unflatten(mesh, "cp", (P, 1), ("cp_ranks", "cp_solo"))["cp_solo"]
+    ours_serial = parallelize_kda(copy.deepcopy(serial), solo, protocol="p2p")
+    x = torch.randn(1, T, D, generator=torch.Generator().manual_seed(1)).to(device)
+    block = x[:, T * r // P : T * (r + 1) // P].contiguous()
+
+    def step(layer: torch.nn.Module, inp: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            layer.zero_grad(set_to_none=True)
+            layer(inp.detach().requires_grad_()).sum().backward()
+
+        return run
+
+    cases = {"parallel": step(parallel, block)}
+    cases["serial"] = step(serial, x) if r == 0 else (lambda: None)
+    cases["ours_serial"] = step(ours_serial, x) if r == 0 else (lambda: None)
+    times = interleaved_timing(cases, repeats=cfg["stock_repeats"], warmup=1, device=device)
+    mem = {n: peak_memory_bytes(fn, device) for n, fn in cases.items()}
+    with _ByteCounter() as counter:
+        cases["parallel"]()
+    got = [[0, 0]] * P
+    dist.all_gather_object(got, [counter.bytes, counter.halo_bytes])
+    H = cfg["stock_heads"]
+    return [
+        bench_record(
+            f"kda_stock_layer_fwd_bwd/P{P}/parallelize_kda_vs_serial",
+            times["parallel"],
+            times["serial"],
+            peak_mem_ours=mem["parallel"],
+            peak_mem_baseline=mem["serial"] if r == 0 else None,
+            device=device.type,
+            parallel_efficiency=times["serial"] / (P * times["parallel"]),
+            ours_serial_s=times["ours_serial"],
+            ours_serial_peak_mem=mem["ours_serial"] if r == 0 else None,
+            parallel_efficiency_vs_ours_serial=times["ours_serial"] / (P * times["parallel"]),
+            state_bytes_received_per_rank=[g[0] for g in got],
+            halo_bytes_received_per_rank=[g[1] for g in got],
+            bytes_received_max=max(g[0] + g[1] for g in got),
+            protocol="auto",
+            auto_choice=choose_protocol(P, 1, H, 128, 128, device_type=device.type).protocol,
+            hidden=D,
+            heads=H,
+            head_dim=128,
+            T=T,
+            dtype="fp32",
+            serial="stock KimiLinearDeltaAttention, PyTorch path (HF chunk_kda fallback); "
+            "ours_serial: the rewritten layer on a one-rank mesh",
+        )
+    ]
+
+
 # ---- 4. Triton kernels (CUDA only) ---------------------------------------------------------
 def bench_kernels(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
     from hyper_parallel.kda import affine_merge
@@ -284,6 +376,7 @@ def _ranks_body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     records = bench_exchange(cfg, device)
     if dist.get_world_size() == 2:
         records += bench_layer(cfg, device)
+    records += bench_stock_layer(cfg, device)
     return records
 
 
@@ -292,8 +385,10 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     a = p.parse_args(argv)
     if a.quick:
         cfg = dict(summary_T=256, summary_H=2, heads=8, layer_T=512, layer_H=1, repeats=3)
+        cfg.update(stock_T=512, stock_hidden=256, stock_heads=2, stock_repeats=2)
     else:
         cfg = dict(summary_T=1024, summary_H=4, heads=32, layer_T=4096, layer_H=4, repeats=5)
+        cfg.update(stock_T=8192, stock_hidden=1024, stock_heads=8, stock_repeats=3)
     cfg["device"] = a.device
     return cfg, a.out
 
@@ -324,11 +419,18 @@ def main(argv: list[str] | None = None) -> None:
         for record in records:
             line = summary_line(record)
             if "bytes_received_max" in record:
-                line += f"  recv/rank {record['bytes_received_max'] / 2**20:.1f} MiB"
+                line += f"  recv/rank {record['bytes_received_max'] / 2**20:.2f} MiB"
+            if "halo_bytes_received_per_rank" in record:
+                line += f" (halo max {max(record['halo_bytes_received_per_rank']) / 2**10:.1f} KiB)"
             if "auto_picked" in record:
                 line += f"  auto picked {record['auto_picked']} (best {record['best']})"
             if "parallel_efficiency" in record:
                 line += f"  efficiency {record['parallel_efficiency']:.2f}"
+            if "ours_serial_s" in record:
+                line += (
+                    f" (ours on 1 rank {record['ours_serial_s'] * 1e3:.1f} ms, efficiency "
+                    f"{record['parallel_efficiency_vs_ours_serial']:.2f})"
+                )
             if "speedup" in record:
                 line += f"  speedup {record['speedup']:.1f}x"
             print(line)

@@ -159,14 +159,15 @@ def _cp_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _validate(module: Any, cp_mesh: Any, protocol: Any, group_size: Any) -> _KDAState:
+def _validate(layer: nn.Module, cp_mesh: Any, protocol: Any, group_size: Any) -> _KDAState:
+    module: Any = layer  # attributes checked below, by name
     if hasattr(module, _STATE):
         raise RuntimeError(
             "parallelize_kda was already applied to this module; call unparallelize_kda first"
         )
     name = type(module).__name__
     missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
-    if not isinstance(module, nn.Module) or name not in SUPPORTED_KDA_CLASSES or missing:
+    if not isinstance(layer, nn.Module) or name not in SUPPORTED_KDA_CLASSES or missing:
         raise TypeError(
             f"parallelize_kda supports {', '.join(SUPPORTED_KDA_CLASSES)} (Hugging Face "
             f"transformers), got {name}" + (f" without {missing}" if missing else "")
