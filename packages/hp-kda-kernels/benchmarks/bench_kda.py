@@ -9,8 +9,9 @@
    whole sequence on one rank (parallel efficiency = serial / (P · parallel)).
 4. On CUDA only: the Triton merge kernel vs the torch backend.
 5. The stock Hugging Face ``KimiLinearDeltaAttention`` (hidden 1024, 8 heads of 128, T = 8192;
-   transformers needed) under ``parallelize_kda`` at 2 and 4 ranks vs the stock serial layer
-   on the whole sequence: time, peak memory, bytes received per rank (state exchange + halo).
+   T = 2048 for local CPU ranks; transformers needed) under ``parallelize_kda`` at 2 and 4
+   ranks vs the stock serial layer on the whole sequence (and vs the rewritten layer on one
+   rank): time, peak memory, bytes received per rank (state exchange + halo).
 
     python packages/hp-kda-kernels/benchmarks/bench_kda.py --out bench-results/kda.json [--quick]
     torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/bench_kda.py \
@@ -23,6 +24,7 @@ launched ranks and the device's backend. Rank 0 writes the records.
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -271,7 +273,10 @@ def _stock_layer(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
 
     from hyper_parallel.kda.testing import import_torch_path
 
-    kimi = import_torch_path("transformers.models.kimi_linear.modeling_kimi_linear")
+    name = "transformers.models.kimi_linear.modeling_kimi_linear"
+    # on CPU the PyTorch path (fla's Triton kernels do not run there); on an accelerator the
+    # serial layer may use flash-linear-attention's kernels where they are installed
+    kimi = import_torch_path(name) if device.type == "cpu" else importlib.import_module(name)
     H, K = cfg["stock_heads"], 128
     config = KimiLinearConfig(
         hidden_size=cfg["stock_hidden"], num_hidden_layers=1,
@@ -338,7 +343,7 @@ def bench_stock_layer(cfg: dict[str, Any], device: torch.device) -> list[dict[st
             head_dim=128,
             T=T,
             dtype="fp32",
-            serial="stock KimiLinearDeltaAttention, PyTorch path (HF chunk_kda fallback); "
+            serial="stock KimiLinearDeltaAttention (on CPU its PyTorch path); "
             "ours_serial: the rewritten layer on a one-rank mesh",
         )
     ]
@@ -389,6 +394,10 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     else:
         cfg = dict(summary_T=1024, summary_H=4, heads=32, layer_T=4096, layer_H=4, repeats=5)
         cfg.update(stock_T=8192, stock_hidden=1024, stock_heads=8, stock_repeats=3)
+        if a.device == "cpu" and not launched_by_torchrun():
+            # the stock serial layer's PyTorch path needs > 13 GB and minutes per step at
+            # T = 8192 on a CPU; its time and memory grow linearly in T
+            cfg.update(stock_T=2048, stock_repeats=2)
     cfg["device"] = a.device
     return cfg, a.out
 

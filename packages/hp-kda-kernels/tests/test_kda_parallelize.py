@@ -14,10 +14,16 @@ import torch
 import torch.distributed as dist
 from _kda_hf import kda_layer, kimi, tiny_config
 from _kda_testutil import max_rel_err
+from torch.distributed.tensor.parallel import parallelize_module
 
 from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.testing import run_distributed
-from hyper_parallel.kda import parallelize_kda, unparallelize_kda
+from hyper_parallel.kda import (
+    ContextParallelKDA,
+    PendingHalo,
+    parallelize_kda,
+    unparallelize_kda,
+)
 
 B, D = 2, 32
 # (T, protocol, group_size, block cuts or None for even blocks). Conv kernel 4: a block of
@@ -68,7 +74,40 @@ def _layer_rank(P: int) -> dict[str, Any]:
         results.append((out.detach(), x.grad, _grads(layer)))
         unparallelize_kda(layer)
         assert type(layer).__name__ == "KimiLinearDeltaAttention"
-    return {"layers": results, "model": _model_rank(mesh, r) if P == 2 else None}
+    if P == 4:
+        return {"layers": results}
+    return {"layers": results, "model": _model_rank(mesh, r), "order": _overlap_order(mesh)}
+
+
+def _overlap_order(mesh: Any) -> list[str]:
+    """The order of halo and gate events in one forward and backward on this rank."""
+    layer = parallelize_kda(kda_layer(), mesh, protocol="p2p")
+    events: list[str] = []
+    saved = {n: getattr(PendingHalo, n) for n in ("_launch", "_finish", "_launch_backward")}
+
+    def logged(name: str) -> Any:
+        def run(self: Any, *args: Any) -> Any:
+            events.append(name)
+            return saved[name](self, *args)
+
+        return run
+
+    for name in saved:
+        setattr(PendingHalo, name, logged(name))
+    hooks = [
+        layer.forget_gate.register_forward_hook(lambda *_: events.append("gate forward")),
+        layer.forget_gate.f_a_proj.register_full_backward_hook(
+            lambda *_: events.append("gate backward")
+        ),
+    ]
+    try:
+        layer(_input(8)[:, :4].clone().requires_grad_()).sum().backward()
+    finally:
+        for name, fn in saved.items():
+            setattr(PendingHalo, name, fn)
+        for hook in hooks:
+            hook.remove()
+    return events
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -90,8 +129,12 @@ def _model_rank(mesh: Any, r: int) -> tuple[Any, ...]:
     unpadded batch), which KimiLinearModel turns into None; a generation cache (what the model
     passes with ``use_cache=True``, the config's default) is rejected."""
     model = _model()
-    for layer in model.layers:
-        parallelize_kda(layer.self_attn, mesh, protocol="p2p")
+    parallelize_kda(model.layers[0].self_attn, mesh, protocol="p2p")
+    # the ParallelStyle form, through torch's parallelize_module
+    parallelize_module(model, mesh, {"layers.1.self_attn": ContextParallelKDA("allgather")})
+    assert all(
+        type(layer.self_attn).__name__.startswith("ContextParallel") for layer in model.layers
+    )
     P = mesh.size()
     lo, hi = MODEL_T * r // P, MODEL_T * (r + 1) // P
     x = _input(MODEL_T)[:, lo:hi].clone().requires_grad_()
@@ -135,6 +178,8 @@ def _compare(results: list[Any], ref: tuple[Any, ...], tag: Any, tol: float = 1e
 
 @pytest.mark.parametrize("P", [2, 4])
 def test_parallel_stock_kda_layer_equals_serial_layer_output_and_every_gradient(P: int) -> None:
+    """On 2 ranks also: the layers of a stock KimiLinearModel (one through torch's
+    parallelize_module), and the halo in flight while the gate projections run."""
     ranks = run_distributed(_layer_rank, P, P, timeout=300)
     for i, (T, protocol, width, cuts) in enumerate(CASES[P]):
         cut = _cuts(T, P, cuts)
@@ -150,3 +195,13 @@ def test_parallel_stock_kda_layer_equals_serial_layer_output_and_every_gradient(
         _compare([res["model"][:3] for res in ranks], ref, "model")
         for res in ranks:
             assert "run the model with use_cache=False" in res["model"][3]
+            _check_overlap(res["order"])
+
+
+def _check_overlap(events: list[str]) -> None:
+    """The halo is in flight while the gate projections run, forward and backward."""
+    first = events.index
+    assert first("_launch") < first("gate forward") < first("_finish"), events
+    backward = events[first("_launch_backward") :]
+    assert "gate backward" in backward, events
+    assert backward.index("gate backward") < backward.index("_finish"), events

@@ -14,12 +14,18 @@ from .halo import PendingHalo, causal_conv_halo, start_causal_conv_halo
 from .layer import kda_context_parallel
 from .merge import affine_merge, affine_scan, choose_backend
 from .naive import naive_recurrent_kda, naive_state_summary
-from .parallelize import SUPPORTED_KDA_CLASSES, parallelize_kda, unparallelize_kda
+from .parallelize import (
+    SUPPORTED_KDA_CLASSES,
+    ContextParallelKDA,
+    parallelize_kda,
+    unparallelize_kda,
+)
 
 __all__ = [
     "DEFAULT_COST_PARAMS",
     "PROTOCOLS",
     "SUPPORTED_KDA_CLASSES",
+    "ContextParallelKDA",
     "PendingHalo",
     "CostParams",
     "ProtocolChoice",

@@ -29,12 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from .exchange import PROTOCOLS
 from .halo import start_causal_conv_halo
 from .layer import executor_for, kda_context_parallel
 
-__all__ = ["SUPPORTED_KDA_CLASSES", "parallelize_kda", "unparallelize_kda"]
+__all__ = ["SUPPORTED_KDA_CLASSES", "ContextParallelKDA", "parallelize_kda", "unparallelize_kda"]
 
 SUPPORTED_KDA_CLASSES = ("KimiLinearDeltaAttention",)
 """Class names :func:`parallelize_kda` accepts (Hugging Face transformers' Kimi-Linear)."""
@@ -229,3 +230,19 @@ def unparallelize_kda(module: nn.Module) -> nn.Module:
     module.__class__ = state.original_class
     delattr(module, _STATE)
     return module
+
+
+class ContextParallelKDA(ParallelStyle):
+    """torch ``ParallelStyle`` form of :func:`parallelize_kda`, for ``parallelize_module``::
+
+    parallelize_module(model, cp_mesh, {"model.layers.0.self_attn": ContextParallelKDA()})
+    """
+
+    def __init__(self, protocol: str = "auto", *, group_size: int | None = None) -> None:
+        super().__init__()
+        self.protocol, self.group_size = protocol, group_size
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return parallelize_kda(
+            module, device_mesh, protocol=self.protocol, group_size=self.group_size
+        )
