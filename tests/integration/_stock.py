@@ -81,12 +81,3 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().cpu()
         for name, p in model.named_parameters()
     }
-
-
-def local_replicated(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters every rank holds whole (not tensor-parallel shards)."""
-    return {
-        name: p.detach().double().cpu()
-        for name, p in model.named_parameters()
-        if not isinstance(p, DTensor)
-    }

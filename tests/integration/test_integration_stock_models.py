@@ -1,7 +1,8 @@
 """A stock Hugging Face Kimi-Linear or DeepSeek-V3 model parallelised by hp-models on a (cp, tp)
 mesh trains exactly like the same model run serially on the full batch: the loss, the logits
 and every gradient after ``sync_gradients`` (float64 on CPU), three optimizer steps, with the
-replicated parameters identical on every rank, and each rank doing a share of the work."""
+parameters identical on every rank, and each rank doing a share of the work; with gradients
+reduced by FSDP2 (``grad_reduction="fsdp"``) and by the bucketed all-reduce."""
 
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def _train(kind: str, cp: int, tp: int, options: dict[str, Any]) -> dict[str, An
             report["n_grads"] = len(grads)
         opt.step()
         ref_opt.step()
-    # replicated parameters are bitwise identical on every rank after the steps
-    mine = torch.cat([p.reshape(-1) for p in st.local_replicated(model).values()])
+    # every rank holds the same (whole) parameters after the steps, bitwise
+    mine = torch.cat([p.reshape(-1) for p in st.full_params(model).values()])
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     report["replicas_equal"] = all(torch.equal(e, every[0]) for e in every)
@@ -84,13 +85,21 @@ def _train(kind: str, cp: int, tp: int, options: dict[str, Any]) -> dict[str, An
     return report
 
 
+FSDP, ALLREDUCE = {"grad_reduction": "fsdp"}, {"grad_reduction": "allreduce"}
 CASES = [
-    ("kimi", 2, 2, {"mla_strategy": "latent", "overlap": True, "kda_protocol": "auto"}),
-    ("kimi", 4, 1, {"mla_strategy": "expanded", "overlap": False, "kda_protocol": "p2p"}),
-    ("kimi", 1, 4, {"mla_strategy": "latent", "overlap": False, "kda_protocol": "allgather"}),
-    ("deepseek", 2, 2, {"mla_strategy": "expanded", "overlap": True}),
-    ("deepseek", 4, 1, {"mla_strategy": "latent", "overlap": False}),
-    ("deepseek", 1, 4, {"mla_strategy": "latent", "overlap": True}),
+    ("kimi", 2, 2, {"mla_strategy": "latent", "overlap": True, "kda_protocol": "auto", **FSDP}),
+    ("kimi", 2, 2, {"mla_strategy": "latent", "kda_protocol": "grouped", **ALLREDUCE}),
+    ("kimi", 4, 1, {"mla_strategy": "expanded", "overlap": False, "kda_protocol": "p2p", **FSDP}),
+    (
+        "kimi",
+        1,
+        4,
+        {"mla_strategy": "latent", "overlap": False, "kda_protocol": "allgather", **FSDP},
+    ),
+    ("deepseek", 2, 2, {"mla_strategy": "expanded", "overlap": True, **FSDP}),
+    ("deepseek", 2, 2, {"mla_strategy": "latent", **ALLREDUCE}),
+    ("deepseek", 4, 1, {"mla_strategy": "latent", "overlap": False, **FSDP}),
+    ("deepseek", 1, 4, {"mla_strategy": "latent", "overlap": True, **FSDP}),
 ]
 
 
@@ -98,14 +107,14 @@ CASES = [
 @pytest.mark.parametrize(
     "kind, cp, tp, options",
     CASES,
-    ids=[f"{k}-cp{c}-tp{t}-{o['mla_strategy']}" for k, c, t, o in CASES],
+    ids=[f"{k}-cp{c}-tp{t}-{o['mla_strategy']}-{o['grad_reduction']}" for k, c, t, o in CASES],
 )
 def test_stock_model_trains_like_serial(kind, cp, tp, options):
     results = run_distributed(
         _train, cp * tp, kind, cp, tp, options, backend=st.backend(), timeout=st.TIMEOUT
     )
     for rank, r in enumerate(results):
-        assert r["replicas_equal"], f"rank {rank}: replicated parameters diverged"
+        assert r["replicas_equal"], f"rank {rank}: parameters diverged across ranks"
         assert r["n_grads"] > 20
         assert r["losses"] == results[0]["losses"], "ranks report different losses"
         # every rank runs at most 1/P of the serial forward's FLOPs (measured: exactly 1/P for

@@ -100,7 +100,11 @@ def _mixers_over_cp(model: nn.Module, mesh: Any) -> nn.Module:
 def _hf_tp(model: nn.Module, mesh: Any) -> nn.Module:
     plan = {}
     for pattern, style in model.config.base_model_tp_plan.items():
-        if pattern.startswith("layers.*.mlp.") and pattern.count(".") == 3:
+        if (
+            pattern.startswith("layers.*.mlp.")
+            and pattern.endswith("_proj")
+            and pattern.count(".") == 3
+        ):
             plan["model." + pattern] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[
                 style
             ]()

@@ -1,4 +1,6 @@
-"""Summing every parameter gradient over the ranks that computed a share of it.
+"""Summing every parameter gradient over the ranks that computed a share of it, for
+``grad_reduction="allreduce"`` (with ``"fsdp"``, FSDP2 does it during backward and
+:func:`sync_gradients` has nothing left to do).
 
 After ``loss.backward()`` on a parallelised model each rank holds the gradient of its own
 tokens' share of the loss:
@@ -44,11 +46,15 @@ def sync_gradients(model: nn.Module) -> None:
     """Sum each parameter's gradient over the ranks that computed a share of it (see the
     module docstring), in place, so that every gradient (``full_tensor()`` of a DTensor one)
     equals the serial model's on the full batch. Call after ``backward()``, before the
-    optimizer step, on every rank. ``RuntimeError`` if ``model`` was not parallelised by
+    optimizer step, on every rank (a no-op under ``grad_reduction="fsdp"``, where FSDP2 has
+    already reduced them; calling it keeps a training loop independent of the choice).
+    ``RuntimeError`` if ``model`` was not parallelised by
     :func:`~hyper_parallel.models.parallelize_model`."""
     plan = getattr(model, "_hp_models_plan", None)
     if plan is None:
         raise RuntimeError("sync_gradients needs a model parallelised by parallelize_model")
+    if plan.grad_reduction == "fsdp":
+        return  # FSDP2 summed the gradients during backward (reduce-scatter, divide factor 1)
     sm: SequenceMesh = plan.mesh
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:

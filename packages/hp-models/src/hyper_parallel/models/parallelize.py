@@ -31,6 +31,7 @@ from hyper_parallel.dtensor import DeviceMesh
 from hyper_parallel.kda import parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
 from hyper_parallel.models.families import ModelFamily, family_of, role_of
+from hyper_parallel.models.fsdp import apply_fsdp, fsdp_available
 from hyper_parallel.models.loss import parallel_forward
 from hyper_parallel.models.mesh import SequenceMesh, check_mesh, sequence_mesh
 
@@ -38,6 +39,7 @@ __all__ = ["ParallelPlan", "parallelize_model"]
 
 _MLA_STRATEGIES = ("expanded", "latent")
 _KDA_PROTOCOLS = ("auto", "p2p", "allgather", "grouped")
+GRAD_REDUCTIONS = ("auto", "fsdp", "allreduce")
 
 
 @dataclass
@@ -46,6 +48,7 @@ class ParallelPlan:
 
     family: str
     mesh: SequenceMesh
+    grad_reduction: str  # "fsdp" or "allreduce"
     roles: dict[str, str] = field(default_factory=dict)  # module path -> mla/kda/dense_mlp/moe
 
 
@@ -64,7 +67,12 @@ def _heads(attn: nn.Module) -> int:
 
 
 def _validate(
-    model: nn.Module, mesh: Any, mla_strategy: str, overlap: Any, kda_protocol: str
+    model: nn.Module,
+    mesh: Any,
+    mla_strategy: str,
+    overlap: Any,
+    kda_protocol: str,
+    grad_reduction: str,
 ) -> tuple[ModelFamily, nn.Module, dict[str, str]]:
     """Every check, collective-free and identical on every rank."""
     if getattr(model, "_hp_models_plan", None) is not None:
@@ -77,6 +85,13 @@ def _validate(
         raise TypeError(f"overlap must be a bool, got {overlap!r}")
     if kda_protocol not in _KDA_PROTOCOLS:
         raise ValueError(f"kda_protocol must be one of {_KDA_PROTOCOLS}, got {kda_protocol!r}")
+    if grad_reduction not in GRAD_REDUCTIONS:
+        raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
+    if grad_reduction == "fsdp" and not fsdp_available():
+        raise ValueError(
+            "grad_reduction='fsdp' needs FSDP2 with set_gradient_divide_factor and "
+            "set_reduce_scatter_unused_params (torch 2.13); use 'allreduce' on this torch"
+        )
     p = mesh.size()
     roles: dict[str, str] = {}
     for i, layer in enumerate(_layers(base)):
@@ -106,6 +121,7 @@ def parallelize_model(
     mla_strategy: str = "latent",
     overlap: bool = True,
     kda_protocol: str = "auto",
+    grad_reduction: str = "auto",
 ) -> nn.Module:
     """Parallelise a stock ``KimiLinearForCausalLM``/``KimiLinearModel`` or
     ``DeepseekV3ForCausalLM``/``DeepseekV3Model`` in place over the 2-D ``mesh`` with dims
@@ -121,12 +137,21 @@ def parallelize_model(
     ``mla_strategy`` (``"latent"``/``"expanded"``) and ``overlap`` go to ``parallelize_mla``,
     ``kda_protocol`` (``"auto"``/``"p2p"``/``"allgather"``/``"grouped"``) to ``parallelize_kda``.
 
+    ``grad_reduction``: ``"fsdp"`` wraps the blocks with torch's FSDP2 ``fully_shard`` over the
+    mesh each block needs (gradients summed during backward, parameters sharded; see
+    :mod:`hyper_parallel.models.fsdp`); ``"allreduce"`` keeps parameters whole and sums the
+    gradients in :func:`~hyper_parallel.models.sync_gradients` with one bucketed all-reduce per
+    mesh; ``"auto"`` picks ``"fsdp"`` where this torch's FSDP2 supports it (torch 2.13).
+    Either way, build the optimizer after this call.
+
     Raised on every rank alike, before any communication: ``TypeError`` for an unsupported model
     (naming the supported classes) or option type; ``ValueError`` for a mesh without dims
     ``("cp", "tp")``, MLA heads not divisible by ``cp·tp`` or an unknown option;
     ``RuntimeError`` for a second call on the same model.
     """
-    fam, base, roles = _validate(model, mesh, mla_strategy, overlap, kda_protocol)
+    fam, base, roles = _validate(model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction)
+    if grad_reduction == "auto":
+        grad_reduction = "fsdp" if fsdp_available() else "allreduce"
     sm = sequence_mesh(mesh)
     for path, role in roles.items():
         block = base.get_submodule(path)
@@ -138,5 +163,7 @@ def parallelize_model(
             parallelize_module(block, sm.tp, MC2GatedMLPParallel())
     has_loss = base is not model
     model.forward = parallel_forward(model.forward, sm, has_loss, _mask_override(fam))  # type: ignore[method-assign]
-    model._hp_models_plan = ParallelPlan(fam.name, sm, roles)  # type: ignore[assignment]
+    if grad_reduction == "fsdp":
+        apply_fsdp(model, base, roles, sm)
+    model._hp_models_plan = ParallelPlan(fam.name, sm, grad_reduction, roles)  # type: ignore[assignment]
     return model

@@ -1,0 +1,64 @@
+"""Gradient reduction by torch's own FSDP2 (``fully_shard``), over the mesh each block needs.
+
+Each rank's backward yields the gradient of its own tokens' share of the loss (see
+:mod:`hyper_parallel.models.loss`), so gradients must be SUMMED (not averaged) over the ranks
+that computed a share:
+
+==========================================  ===========================  =====================
+module                                      parameters                   ``fully_shard`` mesh
+==========================================  ===========================  =====================
+each dense gated MLP (hp-mc2)               DTensor shards over ``tp``   ``cp`` (2-D with tp)
+each decoder layer (mixers, norms, MoE)     whole on every rank          ``flat`` (cp·tp)
+the model (embeddings, final norm, head)    whole on every rank          ``flat`` (cp·tp)
+==========================================  ===========================  =====================
+
+with ``set_gradient_divide_factor(1.0)`` (sum) and ``set_reduce_scatter_unused_params(True)``
+(an MoE expert that no token of this rank's block reached still joins the reduce-scatter,
+with zeros, so every rank issues the same collectives). Parameters become DTensors sharded
+over those meshes (FSDP2's usual ZeRO-3 layout): build the optimizer after
+``parallelize_model``; ``p.full_tensor()`` gives a whole parameter or gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from hyper_parallel.models.mesh import SequenceMesh
+
+__all__ = ["apply_fsdp", "fsdp_available"]
+
+
+def _fsdp() -> Any:
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:
+        return None
+    needed = ("set_gradient_divide_factor", "set_reduce_scatter_unused_params")
+    if not all(hasattr(FSDPModule, name) for name in needed):
+        return None
+    return fully_shard
+
+
+def fsdp_available() -> bool:
+    """True where this torch's FSDP2 can sum gradients and include unused parameters
+    (torch 2.13 has both); the answer is the same on every rank of one job."""
+    return _fsdp() is not None
+
+
+def apply_fsdp(model: nn.Module, base: nn.Module, roles: dict[str, str], sm: SequenceMesh) -> None:
+    """Wrap the blocks of an already parallelised ``model`` (see the module docstring)."""
+    fully_shard = _fsdp()
+    if fully_shard is None:
+        raise RuntimeError("this torch's FSDP2 cannot sum gradients with unused parameters")
+    wrapped = []
+    for path, role in roles.items():
+        if role == "dense_mlp":
+            wrapped.append(fully_shard(base.get_submodule(path), mesh=sm.cp))
+    for layer in base.layers:
+        wrapped.append(fully_shard(layer, mesh=sm.flat))
+    wrapped.append(fully_shard(model, mesh=sm.flat))
+    for module in wrapped:
+        module.set_gradient_divide_factor(1.0)
+        module.set_reduce_scatter_unused_params(True, recurse=False)
