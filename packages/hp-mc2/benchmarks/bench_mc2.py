@@ -1,7 +1,21 @@
-"""MLP block (up + down projection, forward + backward) under sequence + tensor parallelism:
-ours (MC2 styles, ``torch`` backend, default chunks) vs torch's own ColwiseParallel +
-RowwiseParallel SP pair, and ours with chunks=1 (no overlap) and chunks=4 (forced overlap),
-side by side in one run, interleaved, median of the repetitions.
+"""Two blocks under sequence + tensor parallelism, forward + backward, each case side by side
+in one run, interleaved, median of the repetitions:
+
+- MLP block (up + down projection): ours (MC2 styles, ``torch`` backend, default chunks) vs
+  torch's own ColwiseParallel + RowwiseParallel SP pair, and ours with chunks=1 (no overlap)
+  and chunks=4 (forced overlap);
+- gated MLP block (``down(act(gate(x)) * up(x))``, shaped like Hugging Face's LlamaMLP):
+  ``MC2GatedMLPParallel`` vs torch's SP plan on the same module (gate/up
+  ``ColwiseParallel(input_layouts=Shard(1))``, down ``RowwiseParallel(output_layouts=
+  Shard(1))``), vs torchtitan's variant of it (one ``PrepareModuleInput`` gather shared by
+  gate/up) and vs the separate MC2 styles (two ``MC2ColwiseParallel`` + ``MC2RowwiseParallel``).
+
+Reported per case: time, bytes this rank moves over the link per step (counted by
+hp-dtensor's ``simulated_link`` at zero cost: ``(P-1)/P`` of every gathered/scattered buffer),
+and peak memory. On CPU the peak is the CPU allocator's (profiler memory events, every
+allocation and free on the calling thread, including those inside DTensor's dispatch and
+gloo's staging copies); hp-dtensor's dispatch-level tracker is recorded beside it
+(``tracker_peak_*``), see the README for why the two differ.
 
     python packages/hp-mc2/benchmarks/bench_mc2.py --out bench-results/mc2.json [--quick]
     torchrun --nproc-per-node 2 packages/hp-mc2/benchmarks/bench_mc2.py --device cuda --out ...
@@ -18,8 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
@@ -28,10 +47,17 @@ from hyper_parallel.dtensor.benchmarking import (
     interleaved_timing,
     peak_memory_bytes,
     run_ranks,
+    simulated_link,
     summary_line,
+    synchronize,
     write_records,
 )
-from hyper_parallel.mc2 import MC2ColwiseParallel, MC2RowwiseParallel, default_chunks
+from hyper_parallel.mc2 import (
+    MC2ColwiseParallel,
+    MC2GatedMLPParallel,
+    MC2RowwiseParallel,
+    default_chunks,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,12 +72,180 @@ class MLP(nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
+class GatedMLP(nn.Module):
+    """Shaped like Hugging Face's LlamaMLP (same children, same forward)."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _allocator_trace(fn: Any) -> tuple[int, int, Any]:
+    """``(peak, live at the end, fn's result)`` in bytes allocated while ``fn`` runs on CPU,
+    replaying the CPU allocator's alloc/free events (torch profiler, ``profile_memory``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak, live, result
+
+
+def allocator_peak_bytes(fn: Any, device: torch.device) -> int:
+    """Peak bytes allocated while ``fn`` runs, beyond what was live before: the CPU
+    allocator's events on CPU, the device allocator's own peak on accelerators."""
+    if device.type != "cpu":
+        return peak_memory_bytes(fn, device)
+    return _allocator_trace(fn)[0]
+
+
+def held_bytes(forward: Any, device: torch.device) -> int:
+    """Bytes a forward leaves allocated for its backward (saved activations + its output):
+    what grows with the number of layers. ``forward()`` returns ``(output, backward)``."""
+    if device.type != "cpu":
+        module = getattr(torch, device.type)
+        synchronize(device)
+        before = module.memory_allocated()
+        _, backward = forward()
+        synchronize(device)
+        held = module.memory_allocated() - before
+    else:
+        _, held, (_, backward) = _allocator_trace(forward)
+    backward()
+    return int(held)
+
+
+def _measure(
+    cases: dict[str, Any], forwards: dict[str, Any], cfg: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """Time (interleaved median), bytes moved per step, allocator/tracker peaks, held bytes."""
+    times = interleaved_timing(cases, repeats=cfg["repeats"], warmup=cfg["warmup"], device=device)
+    out: dict[str, Any] = {"time": times, "peak": {}, "tracker": {}, "bytes": {}, "held": {}}
+    for name, fn in cases.items():
+        out["peak"][name] = allocator_peak_bytes(fn, device)
+        out["tracker"][name] = peak_memory_bytes(fn, device)
+        out["held"][name] = held_bytes(forwards[name], device)
+        with simulated_link(0.0, 1e18) as stats:
+            fn()
+        out["bytes"][name] = stats.bytes
+    return out
+
+
+def _records(
+    m: dict[str, Any], pairs: list[tuple[str, str, str]], device: torch.device, **shapes: Any
+) -> list[dict[str, Any]]:
+    return [
+        bench_record(
+            name,
+            m["time"][a],
+            m["time"][b],
+            peak_mem_ours=m["peak"][a],
+            peak_mem_baseline=m["peak"][b],
+            device=device.type,
+            ours=a,
+            baseline=b,
+            bytes_per_step_ours=m["bytes"][a],
+            bytes_per_step_baseline=m["bytes"][b],
+            tracker_peak_ours=m["tracker"][a],
+            tracker_peak_baseline=m["tracker"][b],
+            held_bytes_ours=m["held"][a],
+            held_bytes_baseline=m["held"][b],
+            **shapes,
+        )
+        for name, a, b in pairs
+    ]
+
+
+def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[dict[str, Any]]:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[cfg["dtype"]]
+    tokens, hidden, ffn = cfg["gated_tokens"], cfg["gated_hidden"], cfg["gated_ffn"]
+    torch.manual_seed(0)
+    base = GatedMLP(hidden, ffn).to(device=device, dtype=dtype)
+    seq = 1
+
+    def build(styles: Any) -> nn.Module:
+        return parallelize_module(copy.deepcopy(base), mesh, styles)
+
+    def torch_sp(shared_gather: bool) -> nn.Module:
+        col = ColwiseParallel() if shared_gather else ColwiseParallel(input_layouts=Shard(seq))
+        model = build(
+            {
+                "gate_proj": col,
+                "up_proj": col,
+                "down_proj": RowwiseParallel(output_layouts=Shard(seq)),
+            }
+        )
+        if shared_gather:
+            prepare = PrepareModuleInput(
+                input_layouts=(Shard(seq),), desired_input_layouts=(Replicate(),)
+            )
+            parallelize_module(model, mesh, prepare)
+        return model
+
+    models = {
+        "gated_ours": build(MC2GatedMLPParallel(sequence_dim=seq, backend="torch")),
+        "gated_torch_tp_sp": torch_sp(shared_gather=False),
+        "gated_torch_shared_gather": torch_sp(shared_gather=True),
+        "gated_mc2_separate": build(
+            {
+                "gate_proj": MC2ColwiseParallel(seq, backend="torch"),
+                "up_proj": MC2ColwiseParallel(seq, backend="torch"),
+                "down_proj": MC2RowwiseParallel(seq, backend="torch"),
+            }
+        ),
+    }
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(1, tokens // ws, hidden, generator=g).to(device=device, dtype=dtype)
+    dy = torch.randn(1, tokens // ws, hidden, generator=g).to(device=device, dtype=dtype)
+    x.requires_grad_()
+
+    def step(model: nn.Module) -> None:
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        model(x).backward(dy)
+
+    def forward(model: nn.Module) -> tuple[torch.Tensor, Any]:
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        y = model(x)
+        return y, (lambda: y.backward(dy))
+
+    m = _measure(
+        {name: (lambda m=m: step(m)) for name, m in models.items()},
+        {name: (lambda m=m: forward(m)) for name, m in models.items()},
+        cfg,
+        device,
+    )
+    pairs = [
+        (f"mc2_gated_mlp_fwd_bwd/gated_ours_vs_{b[6:]}", "gated_ours", b)
+        for b in ("gated_torch_tp_sp", "gated_torch_shared_gather", "gated_mc2_separate")
+    ]
+    shapes = {"tokens": tokens, "hidden": hidden, "ffn": ffn, "dtype": cfg["dtype"]}
+    return _records(m, pairs, device, repeats=cfg["repeats"], **shapes)
+
+
 def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     rank, ws = dist.get_rank(), dist.get_world_size()
     device = torch.device(cfg["device"])
     dtype = DTYPES[cfg["dtype"]]
     tokens, hidden, ffn = cfg["tokens"], cfg["hidden"], cfg["ffn"]
     mesh = init_device_mesh(device.type, (ws,))
+    records = _gated_body(cfg, mesh, device) if cfg["block"] in ("gated", "both") else []
+    if cfg["block"] == "gated":
+        return records
     torch.manual_seed(0)
     base = MLP(hidden, ffn).to(device=device, dtype=dtype)
 
@@ -96,9 +290,19 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         x.grad = None
         model(x).backward(dy)
 
-    cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
-    times = interleaved_timing(cases, repeats=cfg["repeats"], warmup=cfg["warmup"], device=device)
-    mem = {name: peak_memory_bytes(fn, device) for name, fn in cases.items()}
+    def forward(model: nn.Module) -> tuple[torch.Tensor, Any]:
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        y = model(x)
+        return y, (lambda: y.backward(dy))
+
+    m = _measure(
+        {name: (lambda m=m: step(m)) for name, m in models.items()},
+        {name: (lambda m=m: forward(m)) for name, m in models.items()},
+        cfg,
+        device,
+    )
     shapes = {
         "tokens": tokens,
         "hidden": hidden,
@@ -114,20 +318,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         ("mc2_mlp_fwd_bwd/ours_chunks4_vs_torch_tp_sp", "ours_chunks4", "torch_tp_sp"),
         ("mc2_mlp_fwd_bwd/ours_chunks4_vs_ours_chunks1", "ours_chunks4", "ours_chunks1"),
     ]
-    return [
-        bench_record(
-            name,
-            times[a],
-            times[b],
-            peak_mem_ours=mem[a],
-            peak_mem_baseline=mem[b],
-            device=device.type,
-            ours=a,
-            baseline=b,
-            **shapes,
-        )
-        for name, a, b in pairs
-    ]
+    return records + _records(m, pairs, device, **shapes)
 
 
 def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
@@ -137,9 +328,15 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--ffn", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--block", default="both", choices=["mlp", "gated", "both"])
     a = p.parse_args(argv)
     quick = (1024, 512, 2048, 3) if a.quick else (4096, 1024, 4096, 5)
+    gated = (1024, 512, 1408) if a.quick else (4096, 1024, 2816)
     cfg = {
+        "block": a.block,
+        "gated_tokens": a.tokens or gated[0],
+        "gated_hidden": a.hidden or gated[1],
+        "gated_ffn": a.ffn or gated[2],
         "device": a.device,
         "dtype": a.dtype,
         "tokens": a.tokens or quick[0],
@@ -157,7 +354,13 @@ def main(argv: list[str] | None = None) -> None:
     if records is not None:  # rank 0 (or the launching process) reports
         write_records(out, records)
         for record in records:
-            print(summary_line(record))
+            print(
+                f"{summary_line(record)}  bytes/step "
+                f"{record['bytes_per_step_ours'] / 2**20:.1f} MiB vs "
+                f"{record['bytes_per_step_baseline'] / 2**20:.1f} MiB  held for backward "
+                f"{record['held_bytes_ours'] / 2**20:.1f} MiB vs "
+                f"{record['held_bytes_baseline'] / 2**20:.1f} MiB"
+            )
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ Notation (README, "Design"): ``x`` is this rank's ``[m, k]`` rows, ``ws`` the gr
 (rows ``off_j … off_j + m_j - 1`` of every rank). The async collective of one chunk runs
 while the matmul of another computes; every chunk count, including 1, gives the same result.
 
-Buffers are allocated after the first collective of a phase has been started where that is
-possible, so gloo's own staging copy of that collective and the phase's outputs are not live
-at the same time.
+A phase's output buffers are allocated only once its first gathered chunk has arrived (that
+chunk has no matmul to hide under anyway): gloo stages an all-gather through a buffer of the
+gathered size that lives until the wait, and it should not coincide with the outputs.
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ def gather_matmuls(
     every weight. Returns the products and, when ``keep``, the gathered chunks (for dW)."""
     m = x.shape[0]
     gather = _Gather(x, group, ws, parts)
+    first: torch.Tensor | None = gather.next()
     outs = [x.new_empty(ws * m, w.shape[0]) for w in weights]
     kept = []
     for off, mj in parts:
-        chunk = gather.next()
+        chunk = first if first is not None else gather.next()
+        first = None
         for w, out in zip(weights, outs):
             if len(parts) == 1:
                 torch.mm(chunk.view(ws * m, -1), w.t(), out=out)
@@ -100,8 +102,9 @@ def matmuls_reduce_scatter_grads(
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """Backward of :func:`gather_matmuls`: ``dX = ReduceScatter_m(Σᵢ dYᵢ @ Wᵢ)`` ``[m, k]`` and
     ``dWᵢ = dYᵢᵀ @ X``. ``X`` comes from ``kept`` chunks, or is gathered again from ``x``
-    chunk by chunk (``kept`` empty), under the dX matmuls. Chunk j's dX is reduce-scattered
-    while chunk j's dW and chunk j+1's dX compute."""
+    chunk by chunk (``kept`` empty) under chunk j's dX matmul. Chunk j's dX is reduce-scattered
+    under chunk j's dW matmuls; it is launched once chunk j of ``X`` has arrived, so gloo's
+    staging buffers of the two collectives are never live together."""
     k = weights[0].shape[1]
     m = dys[0].shape[0] // ws
     gather = _Gather(x, group, ws, parts) if any(need_dw) and not kept and x is not None else None
@@ -111,14 +114,18 @@ def matmuls_reduce_scatter_grads(
     pending = []
     for j, (off, mj) in enumerate(parts):
         dyjs = [dy.view(ws, m, -1)[:, off : off + mj] for dy in dys]
+        partial = None
         if dx is not None:
             partial = torch.matmul(dyjs[0], weights[0])  # [ws, m_j, k], summed over ranks below
             for dyj, w in zip(dyjs[1:], weights[1:]):
                 partial.baddbmm_(dyj, w.expand(ws, *w.shape))
-            pending.append((reduce_scatter_async(dx[off : off + mj], partial, group), partial))
-            del partial
+        xj = None
         if any(need_dw):
             xj = (gather.next() if gather is not None else kept[j]).view(ws * mj, k)
+        if dx is not None and partial is not None:
+            pending.append((reduce_scatter_async(dx[off : off + mj], partial, group), partial))
+            del partial
+        if xj is not None:
             for dyj, dw in zip(dyjs, dws):
                 if dw is not None:
                     g = dyj.reshape(ws * mj, -1) if not single else dyj.view(ws * mj, -1)
@@ -166,14 +173,16 @@ def matmul_reduce_scatter_bwd(
     ``dW = dY_fullᵀ @ x``, ``db = Σ_m dY_full``."""
     n, k = weight.shape
     mo = dy.shape[0]
-    gather = _Gather(dy, group, ws, parts)  # started before dX/dW are allocated
+    gather = _Gather(dy, group, ws, parts)
+    first: torch.Tensor | None = gather.next()
     dx = dy.new_empty(ws * mo, k) if need_dx else None
     dw = dy.new_zeros(n, k) if need_dw else None
     db = dy.new_zeros(n) if need_db else None
     x3 = x.view(ws, mo, k)
     single = len(parts) == 1
     for off, mj in parts:
-        g = gather.next()
+        g = first if first is not None else gather.next()
+        first = None
         if dx is not None:
             if single:
                 torch.mm(g.view(ws * mo, n), weight, out=dx)
