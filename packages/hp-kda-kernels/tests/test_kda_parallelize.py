@@ -16,7 +16,7 @@ from _kda_hf import kda_layer, kimi, tiny_config
 from _kda_testutil import max_rel_err
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hyper_parallel.dtensor import init_device_mesh
+from hyper_parallel.dtensor import flatten, init_device_mesh
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.kda import (
     ContextParallelKDA,
@@ -28,17 +28,19 @@ from hyper_parallel.kda import (
 B, D = 2, 32
 # (T, protocol, group_size, block cuts or None for even blocks). Conv kernel 4: a block of
 # fewer than 3 rows makes the halo span several ranks; T=3 on 4 ranks leaves rank 0 empty.
-CASES: dict[int, list[tuple[int, str, int | None, list[int] | None]]] = {
+CASES: dict[int, list[tuple[int, str, int | None, Any]]] = {
     2: [(13, "p2p", None, None), (13, "allgather", None, None), (13, "grouped", None, None),
         (13, "auto", None, None), (5, "p2p", None, [0, 2, 5])],
     4: [(13, "p2p", None, None), (13, "allgather", None, None), (13, "grouped", 2, None),
         (13, "auto", None, None), (6, "p2p", None, None), (6, "grouped", 2, None),
-        (7, "allgather", None, [0, 3, 3, 5, 7]), (3, "auto", None, None)],
+        (7, "allgather", None, [0, 3, 3, 5, 7]), (3, "auto", None, None),
+        # on the flattened ("cp", "tp") mesh hp-models passes
+        (13, "grouped", 2, "flat"), (6, "auto", None, "flat")],
 }  # fmt: skip
 
 
-def _cuts(T: int, P: int, cuts: list[int] | None) -> list[int]:
-    return cuts if cuts is not None else [T * i // P for i in range(P + 1)]
+def _cuts(T: int, P: int, cuts: Any) -> list[int]:
+    return cuts if isinstance(cuts, list) else [T * i // P for i in range(P + 1)]
 
 
 def _input(T: int) -> torch.Tensor:
@@ -58,13 +60,16 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _layer_rank(P: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("cp",))
+    flat = flatten(init_device_mesh("cpu", (2, P // 2), mesh_dim_names=("cp", "tp")))
     r = dist.get_rank()
     results = []
     for T, protocol, width, cuts in CASES[P]:
         layer = kda_layer()
         params = {n: id(p) for n, p in layer.named_parameters()}
         signature = inspect.signature(layer.forward)
-        parallelize_kda(layer, mesh, protocol=protocol, group_size=width)
+        parallelize_kda(
+            layer, flat if cuts == "flat" else mesh, protocol=protocol, group_size=width
+        )
         assert {n: id(p) for n, p in layer.named_parameters()} == params
         assert inspect.signature(layer.forward) == signature
         lo, hi = _cuts(T, P, cuts)[r : r + 2]

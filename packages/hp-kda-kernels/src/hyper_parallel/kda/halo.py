@@ -82,16 +82,31 @@ class PendingHalo:
     """
 
     def __init__(
-        self, group: Any, prev: int | None, nxt: int | None, width: int, seq_dim: int
+        self,
+        x: torch.Tensor,
+        width: int,
+        seq_dim: int,
+        group: Any,
+        prev: int | None,
+        nxt: int | None,
     ) -> None:
-        self._group, self._prev, self._next = group, prev, nxt
+        """Launch the exchange for ``x`` (validated by :func:`start_causal_conv_halo`)."""
         self._n = width - 1
         self._seq_dim = seq_dim
         self._m = 0  # rows of this rank's own block that enter the outgoing rows
         self._works: list[Any] = []
         self._keep: list[torch.Tensor] = []  # buffers of sends in flight
         self._recv_grad: torch.Tensor | None = None
-        self._halo: torch.Tensor | None = None
+        T, n = x.shape[seq_dim], self._n
+        if n == 0 or (prev is None and nxt is None):  # nothing to exchange
+            self._group, self._prev, self._next = group, None, None
+            shape = list(x.shape)
+            shape[seq_dim] = n
+            self._halo: torch.Tensor | None = x.new_zeros(shape).movedim(seq_dim, 0)
+            return
+        self._group, self._prev, self._next = group, prev, nxt
+        tail = x.narrow(seq_dim, T - min(T, n), min(T, n)).movedim(seq_dim, 0)
+        self._halo = _Launch.apply(tail, self)
 
     # ---- forward ----------------------------------------------------------------------------
     def _launch(self, tail: torch.Tensor) -> torch.Tensor:
@@ -203,18 +218,7 @@ def start_causal_conv_halo(
     group, prev, nxt, device_type = _route(mesh)
     if device_type is not None and x.device.type != device_type:
         raise ValueError(f"x is on {x.device} but the mesh is a {device_type!r} mesh")
-    pending = PendingHalo(group, prev, nxt, width, seq_dim)
-    T, n = x.shape[seq_dim], width - 1
-    if n == 0 or (prev is None and nxt is None):
-        shape = list(x.shape)
-        shape[seq_dim] = n
-        pending._halo = x.new_zeros(shape).movedim(seq_dim, 0)
-        pending._works.clear()
-        pending._next = pending._prev = None
-        return pending
-    tail = x.narrow(seq_dim, T - min(T, n), min(T, n)).movedim(seq_dim, 0)
-    pending._halo = _Launch.apply(tail, pending)
-    return pending
+    return PendingHalo(x, width, seq_dim, group, prev, nxt)
 
 
 def causal_conv_halo(x: torch.Tensor, width: int, mesh: Any, *, seq_dim: int = 1) -> torch.Tensor:
