@@ -35,6 +35,8 @@ PACKAGES_DIR = ROOT / "packages"
 CONSTRAINTS = ROOT / "constraints.txt"
 SYSTEM_TORCH = os.environ.get("HP_USE_SYSTEM_TORCH", "") not in ("", "0")
 
+MODELS = "hp-models"  # the package on top: installing it installs every layer
+
 nox.options.sessions = ["tests", "integration", "lint", "pins"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = False
@@ -104,7 +106,10 @@ def tests(session: nox.Session, package: str) -> None:
 def integration(session: nox.Session) -> None:
     """All packages together (tests/integration, tests/integration/test_main_job.py: the main
     job's failure paths); HCCL/NCCL where the hardware is."""
-    _install_packages(session, _packages())
+    # hp-models pulls in every layer (without their test extras): flash-linear-attention, which
+    # hp-kda-kernels' own tests use, must not be importable here, or transformers would route
+    # the stock Kimi-Linear reference to fla's GPU kernels (see packages/hp-models/README.md)
+    _install_packages(session, [MODELS])
     _install(session, "-r", str(ROOT / "tests" / "integration" / "requirements.txt"))
     _install(session, "-r", str(ROOT / "examples" / "requirements.txt"))  # test_main_job.py
     session.run(
@@ -170,8 +175,10 @@ def bench(session: nox.Session) -> None:
     unknown = sorted(set(chosen) - set(_packages()))
     if unknown:
         session.error(f"unknown package(s) {unknown}; choose from {_packages()}")
-    _install_packages(session, _packages(), extra="test")
-    _install(session, "matplotlib")
+    # every layer through hp-models, without fla (the stock-model benchmarks run transformers'
+    # torch path on CPU); triton and numpy for the kernel benchmarks
+    _install_packages(session, [MODELS])
+    _install(session, "matplotlib", "numpy", "triton>=3.0")
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
     for dist in chosen:
@@ -189,8 +196,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_params=_venv_params())
 def demo(session: nox.Session) -> None:
-    """The main job: train the hybrid model with TP + CP on local ranks, check against serial."""
-    _install_packages(session, _packages(), extra="test")
+    """The main job: a stock HF model parallelised by hp-models on local ranks, vs serial."""
+    _install_packages(session, [MODELS])  # every layer, no fla (as in integration)
     _install(session, "-r", str(ROOT / "examples" / "requirements.txt"))
     # on Ctrl-C the job needs a moment to end torchrun and every rank: nox's default is to
     # escalate to SIGKILL after half a second

@@ -47,7 +47,7 @@ class LayerMeter(TorchDispatchMode):
         self._t: dict[tuple[str, str], float] = {}
         for name, layer in layers:
             self.names.append(name)
-            layer.register_forward_pre_hook(self._pre(name))
+            layer.register_forward_pre_hook(self._pre(name), with_kwargs=True)
             layer.register_forward_hook(self._post(name))
 
     def _mark(self, name: str, phase: str, begin: bool) -> None:
@@ -63,17 +63,23 @@ class LayerMeter(TorchDispatchMode):
             self.recorder.add("begin" if begin else "end", f"layer {name}", phase)
 
     def _pre(self, name: str) -> Any:
-        def hook(_m: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        # Hugging Face calls its attention modules with keyword arguments only
+        def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             self._mark(name, "forward", True)
-            x = _Stamp.apply(args[0], lambda: self._mark(name, "backward", False))
-            return (x, *args[1:])
+            done = lambda: self._mark(name, "backward", False)  # noqa: E731
+            if args:
+                return (_Stamp.apply(args[0], done), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": _Stamp.apply(kwargs["hidden_states"], done)}
 
         return hook
 
     def _post(self, name: str) -> Any:
-        def hook(_m: Any, _a: Any, out: torch.Tensor) -> torch.Tensor:
+        def hook(_m: Any, _a: Any, out: Any) -> Any:
             self._mark(name, "forward", False)
-            return _Stamp.apply(out, lambda: self._mark(name, "backward", True))
+            start = lambda: self._mark(name, "backward", True)  # noqa: E731
+            if isinstance(out, tuple):  # attention modules return (output, weights)
+                return (_Stamp.apply(out[0], start), *out[1:])
+            return _Stamp.apply(out, start)
 
         return hook
 

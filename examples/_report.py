@@ -77,18 +77,18 @@ def fmt_bytes(n: float) -> str:
 
 
 HOW = {
-    "kda": "KDA state exchange over cp",
-    "mla": "Ulysses MLA over cp",
-    "mlp": "MC2 TP+SP over tp",
-    "grad sync": "all-reduce (world / cp)",
-    "other": "embedding, head, loss",
+    "kda": "KDA state passing + conv halo over cp·tp",
+    "mla": "Ulysses MLA over cp·tp",
+    "mlp": "MC2 gated MLP, TP+SP over tp",
+    "grad sync": "sync_gradients (FSDP2: in backward)",
+    "other": "embedding, head, loss, FSDP2",
 }
 
 
 def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float) -> None:
     mesh = record["mesh"]
     print(
-        f"\nper layer, one step (tp={mesh['tp']} x cp={mesh['cp']}; bytes each rank receives "
+        f"\nper layer, one step (cp={mesh['cp']} x tp={mesh['tp']}; bytes each rank receives "
         "from its peers, counted on the traced step; time: slowest rank, mean over steps)"
     )
     head = f"{'layer':<12} {'parallelism':<42} {'recv/rank (max)':>16} {'total recv':>12} " \
@@ -98,8 +98,6 @@ def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float
     for row in record["layers"]:
         kind = row["layer"].split(":")[-1]
         par = HOW.get(kind, "")
-        if kind in ("kda", "mla") and mesh["tp"] > 1:
-            par += " + tp gather"
         recv = row["recv_bytes_per_rank"]
         fwd, bwd = (
             f"{row[k] * 1e3:.1f}" if row[k] is not None else "-" for k in ("fwd_s", "bwd_s")

@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""The main job: train a small Kimi-Linear-style hybrid model (KDA, MLA and MLP layers) with
-tensor + sequence parallelism (hp-mc2) and context parallelism (hp-context-parallel for MLA,
-hp-kda-kernels for KDA) on local ranks, then train the serial model with the same seed and data
-in one process and check that the two loss curves agree.
+"""The main job: train a stock Hugging Face ``KimiLinearForCausalLM`` (a tiny random config built
+in code: KDA and MLA layers, dense MLPs) parallelised by hp-models on local ranks (every token
+mixer context-parallel over the whole (cp, tp) mesh, MLPs tensor + sequence parallel over tp,
+gradients summed by FSDP2), then train the unparallelised model with the same seed and data in
+one process and check that the two loss curves agree. ``--model deepseek-v3`` trains a stock
+``DeepseekV3ForCausalLM`` the same way.
 
-    python examples/train_hybrid.py                       # 4 CPU ranks (tp=2 x cp=2), gloo
+    python examples/train_hybrid.py                       # 4 CPU ranks (cp=2 x tp=2), gloo
     python examples/train_hybrid.py --device cuda         # NCCL, one GPU per rank
     python examples/train_hybrid.py --device npu          # HCCL (torch_npu from the image)
-    python examples/train_hybrid.py --mesh 1,4 --kda-protocol allgather --steps 60
+    python examples/train_hybrid.py --mesh 4,1 --kda-protocol allgather --steps 60
+    python examples/train_hybrid.py --model deepseek-v3
 
 Started plainly, the script launches itself under torchrun (``torch.distributed.run``) on
-``tp * cp`` local ranks; under torchrun it is a worker. Output (``--out``, default ``out/``):
+``cp * tp`` local ranks; under torchrun it is a worker. Output (``--out``, default ``out/``):
 ``loss_curves.png`` (parallel vs serial), ``trace_step.json`` (Chrome / Perfetto trace of one
 training step, one process per rank) and ``trace_step.png`` (the same step as a timeline per
 rank), ``parallel.json`` (losses, step times, per-layer communication and time).
@@ -38,17 +41,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "integration"))  # the hybrid model lives with its tests
+import _jobctl
+import _report
+import torch
+import torch.distributed as dist
+from _meter import LayerMeter
+from _trace_plot import plot_trace
 
-import _hybrid_model as hm  # noqa: E402
-import _jobctl  # noqa: E402
-import _report  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from _meter import LayerMeter  # noqa: E402
-from _trace_plot import plot_trace  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -57,13 +57,15 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=sorted(BACKENDS), default="cpu")
-    p.add_argument("--mesh", default="2,2", help="tp,cp (default 2,2: 4 ranks)")
+    p.add_argument("--model", choices=MODELS, default="kimi-linear")
+    p.add_argument("--mesh", default="2,2", help="cp,tp (default 2,2: 4 ranks)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--ffn", type=int, default=128)
-    p.add_argument("--layers", default="kda,mlp,kda,mlp,mla,mlp", help="kda / mla / mlp list")
+    p.add_argument("--layers", default="kda,mla,kda,mla",
+                   help="token mixer per layer: kda / mla (deepseek-v3: mla only)")  # fmt: skip
     p.add_argument("--kda-heads", type=int, default=4)
     p.add_argument("--kda-head-dim", type=int, default=16)
     p.add_argument("--mla-heads", type=int, default=4)
@@ -71,6 +73,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kda-protocol", default="auto", help="auto | p2p | allgather | grouped")
     p.add_argument("--mla-strategy", default="latent", choices=["expanded", "latent"])
     p.add_argument("--no-overlap", action="store_true", help="blocking MLA collectives")
+    p.add_argument("--grad-reduction", default="auto", choices=["auto", "fsdp", "allreduce"])
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -87,13 +90,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nan-rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
-        args.tp, args.cp = (int(v) for v in args.mesh.split(","))
+        args.cp, args.tp = (int(v) for v in args.mesh.split(","))
     except ValueError:
-        p.error(f"--mesh must be 'tp,cp', got {args.mesh!r}")
+        p.error(f"--mesh must be 'cp,tp', got {args.mesh!r}")
     if args.tp < 1 or args.cp < 1:
         p.error("--mesh sizes must be positive")
     if args.seq % (args.tp * args.cp):
-        p.error(f"--seq {args.seq} must be divisible by tp*cp = {args.tp * args.cp}")
+        p.error(f"--seq {args.seq} must be divisible by cp*tp = {args.cp * args.tp}")
+    args.mixers = [m.strip() for m in args.layers.split(",") if m.strip()]
+    bad = [m for m in args.mixers if m not in ("kda", "mla")]
+    if bad or not args.mixers:
+        p.error(f"--layers takes kda / mla per layer, got {args.layers!r}")
+    if args.model == "deepseek-v3" and "kda" in args.mixers:
+        p.error("--model deepseek-v3 has MLA layers only (--layers mla,mla,...)")
     if not 0 <= args.trace_step < args.steps:
         p.error("--trace-step must be in [0, steps)")
     if args.job_timeout <= 0:
@@ -102,76 +111,95 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def make_batches(args: argparse.Namespace) -> torch.Tensor:
-    """``[steps, B, S + 1]`` token ids from a fixed random Markov chain (learnable, seeded)."""
+    """``[steps, B, S]`` token ids from a fixed random Markov chain (learnable, seeded)."""
     g = torch.Generator().manual_seed(args.seed + 1234)
     trans = torch.softmax(torch.randn(args.vocab, args.vocab, generator=g) * 3.0, dim=-1)
     n = args.steps * args.batch
-    toks = torch.empty(n, args.seq + 1, dtype=torch.long)
+    toks = torch.empty(n, args.seq, dtype=torch.long)
     toks[:, 0] = torch.randint(0, args.vocab, (n,), generator=g)
-    for i in range(1, args.seq + 1):
+    for i in range(1, args.seq):
         toks[:, i] = torch.multinomial(trans[toks[:, i - 1]], 1, generator=g).squeeze(1)
-    return toks.view(args.steps, args.batch, args.seq + 1)
+    return toks.view(args.steps, args.batch, args.seq)
 
 
 # ---- the model: everything that knows which model is trained ---------------------------------
-def config_of(args: argparse.Namespace) -> hm.HybridConfig:
-    return hm.HybridConfig(
-        hidden=args.hidden,
-        ffn=args.ffn,
-        layers=tuple(s.strip() for s in args.layers.split(",") if s.strip()),
-        kda_heads=args.kda_heads,
-        kda_head_dim=args.kda_head_dim,
-        kda_chunk_size=min(64, args.seq // (args.tp * args.cp)),
-        mla_heads=args.mla_heads,
-        vocab=args.vocab,
-    )
+MODELS = ("kimi-linear", "deepseek-v3")
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The tiny config of ``--model``: the command line's sizes, dense MLPs only."""
+    n = len(args.mixers)
+    common: dict[str, Any] = {
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.ffn,
+        "num_hidden_layers": n,
+        "num_attention_heads": args.mla_heads,
+        "num_key_value_heads": args.mla_heads,
+    }
+    if args.model == "deepseek-v3":
+        return {**common, "first_k_dense_replace": n}
+    kinds = {"kda": "linear_attention", "mla": "full_attention"}
+    return {
+        **common,
+        "layer_types": [kinds[m] for m in args.mixers],
+        "mlp_layer_types": ["dense"] * n,
+        "linear_num_heads": args.kda_heads,
+        "linear_head_dim": args.kda_head_dim,
+    }
 
 
 def build_mesh(args: argparse.Namespace, world: int) -> Any:
-    """The 2-D mesh the model is parallelised over (the process group is initialised)."""
+    """The ``("cp", "tp")`` mesh the model is parallelised over (process group initialised)."""
     from hyper_parallel.dtensor import init_device_mesh, unflatten
 
     root = init_device_mesh(args.device, (world,), mesh_dim_names=("world",))
-    return unflatten(root, "world", (args.tp, args.cp), ("tp", "cp"))
+    return unflatten(root, "world", (args.cp, args.tp), ("cp", "tp"))
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    """The serial model; ``model(tokens [B, S]) -> logits [B, S, vocab]``."""
-    torch.manual_seed(args.seed)
-    return hm.HybridLM(config_of(args)).to(device=device, dtype=getattr(torch, args.dtype))
+    """The stock Hugging Face model, seeded: ``model(input_ids=, labels=).loss``."""
+    from hyper_parallel.models.testing import tiny_model
+
+    kind = "kimi" if args.model == "kimi-linear" else "deepseek"
+    dtype = getattr(torch, args.dtype)
+    return tiny_model(kind, seed=args.seed, dtype=dtype, **config_overrides(args)).to(device)
 
 
 def parallelize(model: torch.nn.Module, mesh: Any, args: argparse.Namespace) -> None:
-    """Rewrite ``model`` in place for the ``("tp", "cp")`` mesh."""
-    hm.parallelize_hybrid(
+    """hp-models' one call, in place."""
+    from hyper_parallel.models import parallelize_model
+
+    parallelize_model(
         model,
         mesh,
         mla_strategy=args.mla_strategy,
-        mla_overlap=not args.no_overlap,
+        overlap=not args.no_overlap,
         kda_protocol=args.kda_protocol,
+        grad_reduction=args.grad_reduction,
     )
 
 
-def shard_batch(tokens: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (inputs, targets) ``[B, S / (tp * cp)]`` of a ``[B, S + 1]`` batch."""
-    return hm.shard_tokens(tokens[:, :-1], mesh), hm.shard_tokens(tokens[:, 1:], mesh)
+def shard_batch(tokens: torch.Tensor, mesh: Any) -> dict[str, torch.Tensor]:
+    """This rank's block of a ``[B, S]`` batch (inputs, global positions, shifted labels)."""
+    from hyper_parallel.models import shard_batch as shard
+
+    return shard({"input_ids": tokens, "labels": tokens}, mesh)
 
 
-def sync_gradients(model: torch.nn.Module, mesh: Any) -> None:
-    hm.sync_gradients(model, mesh)
+def sync_gradients(model: torch.nn.Module) -> None:
+    from hyper_parallel.models import sync_gradients as sync
+
+    sync(model)
 
 
-def metered_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``("<index>:<kind>", module)`` for each layer the table and the trace show."""
-    blocks = [m for m in model.modules() if isinstance(m, hm.Residual)]
-    return [(f"{i}:{m.kind}", m) for i, m in enumerate(blocks)]
-
-
-def loss_of(logits: torch.Tensor, targets: torch.Tensor, n_targets: int) -> torch.Tensor:
-    """Summed cross-entropy of this rank's tokens over the global token count (the ranks'
-    losses add up to the mean over the batch)."""
-    flat = logits.flatten(0, 1).float()
-    return F.cross_entropy(flat, targets.flatten(), reduction="sum") / n_targets
+def metered_layers(model: torch.nn.Module, args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """``("<index>:<kind>", module)`` for each token mixer and MLP the table and trace show."""
+    layers = model.model.layers
+    out: list[tuple[str, Any]] = []
+    for i, (layer, mixer) in enumerate(zip(layers, args.mixers)):
+        out += [(f"{i}:{mixer}", layer.self_attn), (f"{i}:mlp", layer.mlp)]
+    return out
 
 
 class Progress:
@@ -240,21 +268,21 @@ class RankRun:
 
 def _setup(args: argparse.Namespace, rank: int, world: int) -> RankRun:
     if world != args.tp * args.cp:
-        raise ValueError(f"world size {world} != tp*cp = {args.tp * args.cp}")
+        raise ValueError(f"world size {world} != cp*tp = {args.cp * args.tp}")
     device = _device(args.device)
     dist.init_process_group(BACKENDS[args.device], timeout=timedelta(seconds=args.rank_timeout))
     mesh = build_mesh(args, world)
     model = build_model(args, device)
     parallelize(model, mesh, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
-    meter = LayerMeter(metered_layers(model))
+    meter = LayerMeter(metered_layers(model, args))
     return RankRun(args, rank, world, device, mesh, model, opt, meter, make_batches(args))
 
 
-def global_loss(loss: torch.Tensor, step: int, world: int) -> float:
-    """The sum of every rank's loss. Every rank sees every rank's value, so when one of them is
-    not finite all ranks raise :class:`NonFiniteLoss` at this step (no rank is left waiting
-    in a collective), naming the lowest rank where it appeared."""
+def checked_loss(loss: torch.Tensor, step: int, world: int) -> float:
+    """The global loss (every rank holds it). Every rank sees every rank's value, so when one
+    of them is not finite all ranks raise :class:`NonFiniteLoss` at this step (no rank is left
+    waiting in a collective), naming the lowest rank where it appeared."""
     local = loss.detach().reshape(1).to(torch.float64)
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local)
@@ -265,21 +293,21 @@ def global_loss(loss: torch.Tensor, step: int, world: int) -> float:
             f"non-finite loss at step {step}, starting on rank {bad[0]} (loss {values[bad[0]]}; "
             f"non-finite on {len(bad)} of {world} ranks)"
         )
-    return float(sum(values))
+    return float(values[dist.get_rank()])
 
 
 def _forward_backward(run: RankRun, step: int) -> float:
     args = run.args
-    inp, tgt = (t.to(run.device) for t in shard_batch(run.batches[step], run.mesh))
+    local = {k: v.to(run.device) for k, v in shard_batch(run.batches[step], run.mesh).items()}
     run.opt.zero_grad(set_to_none=True)
-    loss = loss_of(run.model(inp), tgt, args.batch * args.seq)
+    loss = run.model(**local).loss
     if step == args.nan_step and args.nan_rank in (-1, run.rank):  # drill
         loss = loss * float("nan")
     loss.backward()
     run.meter.current = "grad sync"
-    sync_gradients(run.model, run.mesh)
+    sync_gradients(run.model)
     run.meter.current = "other"
-    return global_loss(loss, step, run.world)
+    return checked_loss(loss, step, run.world)
 
 
 def train_step(run: RankRun, step: int) -> None:
@@ -331,7 +359,7 @@ def worker(args: argparse.Namespace) -> int:
     _jobctl.pid_file(out, rank).write_text(f"{os.getpid()}\n")
     try:
         run = _setup(args, rank, world)
-        bar = Progress(args.steps, f"parallel tp={args.tp} cp={args.cp}") if rank == 0 else None
+        bar = Progress(args.steps, f"parallel cp={args.cp} tp={args.tp}") if rank == 0 else None
         for step in range(args.steps):
             if step == args.fail_step and rank == args.fail_rank:  # drill
                 _fail_file(out, rank).write_text(f"rank {rank}: injected failure at step {step}\n")
@@ -433,7 +461,7 @@ def train_serial(args: argparse.Namespace) -> tuple[list[float], list[float]]:
         tokens = batches[step].to(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(model(tokens[:, :-1]), tokens[:, 1:], tokens[:, 1:].numel())
+        loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -461,10 +489,10 @@ def summarize(args: argparse.Namespace, record: dict[str, Any], serial: list[flo
     if slower:
         print(slower)
     png = out / "loss_curves.png"
-    _report.plot_curves(png, parallel, serial, f"hybrid {args.layers}, tp={args.tp} "
-                        f"cp={args.cp}, max rel diff {rel:.1e} (tol {args.tol:.0e})")  # fmt: skip
+    _report.plot_curves(png, parallel, serial, f"{args.model} {args.layers}, cp={args.cp} "
+                        f"tp={args.tp}, max rel diff {rel:.1e} (tol {args.tol:.0e})")  # fmt: skip
     trace_json, trace_png = out / "trace_step.json", out / "trace_step.png"
-    title = f"step {record['trace_step']}, tp={args.tp} x cp={args.cp}, {args.layers}"
+    title = f"step {record['trace_step']}, cp={args.cp} x tp={args.tp}, {args.model} {args.layers}"
     plot_trace(json.loads(trace_json.read_text()), trace_png, title)
     print(
         f"\nloss: first {serial[0]:.4f}, last serial {serial[-1]:.4f} / parallel "

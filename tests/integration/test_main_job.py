@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 RANKS = 2
 TINY = ["--mesh", "2,1", "--seq", "16", "--hidden", "16", "--ffn", "32", "--layers",
-        "kda,mla,mlp", "--kda-heads", "2", "--kda-head-dim", "8", "--mla-heads", "2",
+        "kda,mla", "--kda-heads", "2", "--kda-head-dim", "8", "--mla-heads", "2",
         "--vocab", "16", "--trace-step", "1", "--rank-timeout", "30"]  # fmt: skip
 FOREVER = ["--steps", "100000"]  # runs until it is stopped
 START_S = 90  # start-up of torchrun + ranks on a loaded 2-core machine

@@ -12,7 +12,8 @@ each decoder layer (mixers, norms, MoE)     whole on every rank          ``flat`
 the model (embeddings, final norm, head)    whole on every rank          ``flat`` (cp·tp)
 ==========================================  ===========================  =====================
 
-with ``set_gradient_divide_factor(1.0)`` (sum) and ``set_reduce_scatter_unused_params(True)``
+with ``set_gradient_divide_factor(1.0)`` (sum; ``set_force_sum_reduction_for_comms`` keeps the
+collective a plain SUM, which every backend, gloo included, has) and ``set_reduce_scatter_unused_params(True)``
 (an MoE expert that no token of this rank's block reached still joins the reduce-scatter,
 with zeros, so every rank issues the same collectives). Parameters become DTensors sharded
 over those meshes (FSDP2's usual ZeRO-3 layout): build the optimizer after
@@ -62,3 +63,6 @@ def apply_fsdp(model: nn.Module, base: nn.Module, roles: dict[str, str], sm: Seq
     for module in wrapped:
         module.set_gradient_divide_factor(1.0)
         module.set_reduce_scatter_unused_params(True, recurse=False)
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            # plain SUM on the wire: gloo has no PREMUL_SUM, which FSDP2 picks for float32
+            module.set_force_sum_reduction_for_comms(True)
