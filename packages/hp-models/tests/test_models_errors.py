@@ -35,6 +35,9 @@ def _bad_inputs():
     errors["strategy"] = _error(
         lambda: parallelize_model(tiny_model("kimi"), mesh, mla_strategy="x")
     )
+    errors["grad_reduction"] = _error(
+        lambda: parallelize_model(tiny_model("kimi"), mesh, grad_reduction="ddp")
+    )
     batch = random_batch(seq=16)
     errors["seq"] = _error(lambda: shard_batch(random_batch(seq=15), mesh))
     padded = {**batch, "attention_mask": torch.ones(2, 16, dtype=torch.long)}
@@ -58,6 +61,7 @@ EXPECTED = {
     "dim_names": ("ValueError", "dims ('dp', 'tp')"),
     "heads": ("ValueError", "3 attention heads are not divisible by cp·tp = 1·2 = 2"),
     "strategy": ("ValueError", "mla_strategy must be one of"),
+    "grad_reduction": ("ValueError", "grad_reduction must be one of"),
     "seq": ("ValueError", "T=15 is not divisible by cp·tp"),
     "padding": ("ValueError", "padding is not supported under context parallelism"),
     "twice": ("RuntimeError", "already applied"),
