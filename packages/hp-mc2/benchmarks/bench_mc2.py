@@ -27,6 +27,7 @@ ranks and the device's own backend (NCCL on CUDA, HCCL on NPU). Rank 0 writes th
 from __future__ import annotations
 
 import copy
+import ctypes
 from typing import Any
 
 import torch
@@ -86,9 +87,14 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+_RUNS = 3  # CPU memory figures: minimum over this many runs (see _allocator_trace)
+
+
 def _allocator_trace(fn: Any) -> tuple[int, int, Any]:
     """``(peak, live at the end, fn's result)`` in bytes allocated while ``fn`` runs on CPU,
-    replaying the CPU allocator's alloc/free events (torch profiler, ``profile_memory``)."""
+    replaying the CPU allocator's alloc/free events (torch profiler, ``profile_memory``).
+    Only this thread's events are seen: a buffer gloo happens to free on its own thread looks
+    leaked, so both numbers can only be too high; callers take the minimum of a few runs."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -106,19 +112,48 @@ def allocator_peak_bytes(fn: Any, device: torch.device) -> int:
     allocator's events on CPU, the device allocator's own peak on accelerators."""
     if device.type != "cpu":
         return peak_memory_bytes(fn, device)
-    return _allocator_trace(fn)[0]
+    return min(_allocator_trace(fn)[0] for _ in range(_RUNS))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes malloc has handed out and not got back, every thread and arena (glibc's
+    ``mallinfo2``: in-use chunks + mmapped blocks); ``None`` off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def held_bytes(forward: Any, device: torch.device) -> int:
     """Bytes a forward leaves allocated for its backward (saved activations + its output):
-    what grows with the number of layers. ``forward()`` returns ``(output, backward)``."""
+    what grows with the number of layers. ``forward()`` returns ``(output, backward)`` and
+    frees nothing the previous step left (gradients are dropped before it runs).
+    Accelerators: the device allocator; CPU: glibc's in-use count before and after (exact
+    across threads), else the allocator trace."""
+    synchronize(device)
     if device.type != "cpu":
         module = getattr(torch, device.type)
-        synchronize(device)
         before = module.memory_allocated()
         _, backward = forward()
         synchronize(device)
         held = module.memory_allocated() - before
+    elif _malloc_in_use() is not None:
+        before = _malloc_in_use() or 0
+        _, backward = forward()
+        held = (_malloc_in_use() or 0) - before
     else:
         _, held, (_, backward) = _allocator_trace(forward)
     backward()
@@ -134,6 +169,7 @@ def _measure(
     for name, fn in cases.items():
         out["peak"][name] = allocator_peak_bytes(fn, device)
         out["tracker"][name] = peak_memory_bytes(fn, device)
+        fn()  # leaves this case's gradients allocated, as in training
         out["held"][name] = held_bytes(forwards[name], device)
         with simulated_link(0.0, 1e18) as stats:
             fn()
@@ -217,9 +253,6 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
         model(x).backward(dy)
 
     def forward(model: nn.Module) -> tuple[torch.Tensor, Any]:
-        for p in model.parameters():
-            p.grad = None
-        x.grad = None
         y = model(x)
         return y, (lambda: y.backward(dy))
 
@@ -291,9 +324,6 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         model(x).backward(dy)
 
     def forward(model: nn.Module) -> tuple[torch.Tensor, Any]:
-        for p in model.parameters():
-            p.grad = None
-        x.grad = None
         y = model(x)
         return y, (lambda: y.backward(dy))
 

@@ -1,4 +1,4 @@
-"""The README example runs as written."""
+"""The README examples run as written."""
 
 from pathlib import Path
 
@@ -7,8 +7,16 @@ from hyper_parallel.dtensor.testing import run_markdown_example
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def test_readme_example_runs():
-    out = run_markdown_example(README).splitlines()
+def test_readme_gated_mlp_example_runs():
+    out = run_markdown_example(README, 0).splitlines()
+    assert len(out) == 2
+    placements = "['(Shard(dim=0),)', '(Shard(dim=0),)', '(Shard(dim=1),)']"
+    for line in out:
+        assert f"((2, 8, 64), True, True, {placements})" in line, line
+
+
+def test_readme_column_row_example_runs():
+    out = run_markdown_example(README, 1).splitlines()
     assert len(out) == 2
     for line in out:
         assert (
