@@ -1,7 +1,12 @@
-"""The token-by-token reference against flash-linear-attention, and the chunk-parallel paths
-(summary and outputs) against token-by-token folds in float64."""
+"""The token-by-token reference against flash-linear-attention, the chunk-parallel paths
+(summary and outputs) against token-by-token folds in float64, and the stock Kimi-Linear layer
+on its PyTorch path where fla is installed."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -115,3 +120,35 @@ def test_reference_rejects_mismatched_shapes() -> None:
         naive_recurrent_kda(q, k, v, g, beta, initial_state=h0[:, :1])
     with pytest.raises(ValueError, match="chunk_size"):
         state_summary(k, v, g, beta, chunk_size=0)
+
+
+def test_stock_kimi_layer_runs_on_its_pytorch_path_although_fla_is_installed() -> None:
+    """transformers binds Kimi-Linear's chunk_kda to fla's Triton kernels when fla is importable
+    (here it is: fla-core is in the test extra), and those fail on CPU tensors;
+    ``import_torch_path`` re-imports the modeling module with every function on the PyTorch
+    path, leaving fla importable for everything else. Run in a fresh interpreter."""
+    code = (
+        "import importlib, sys, torch\n"
+        "import fla\n"
+        "name = 'transformers.models.kimi_linear.modeling_kimi_linear'\n"
+        "from hyper_parallel.kda.testing import import_torch_path, routed_functions\n"
+        "routed = importlib.import_module(name)\n"
+        "print(sorted(routed_functions(routed)))\n"
+        "m = import_torch_path(name)\n"
+        "print(m is not routed, routed_functions(m), sys.modules[name] is m)\n"
+        "print(importlib.import_module('fla.ops.kda').chunk_kda.__module__)\n"
+        "from _kda_hf import init_kda_weights, tiny_config\n"
+        "layer = m.KimiLinearDeltaAttention(tiny_config(), 0).double()\n"
+        "init_kda_weights(layer, 0)\n"
+        "print(layer(torch.randn(1, 5, 32, dtype=torch.float64)).shape)\n"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [
+        "['chunk_kimi_delta_attention', 'recurrent_kimi_delta_attention']",
+        "True [] True",
+        "fla.ops.kda.chunk",
+        "torch.Size([1, 5, 32])",
+    ], res.stdout
