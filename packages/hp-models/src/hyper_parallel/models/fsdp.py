@@ -13,11 +13,11 @@ the model (embeddings, final norm, head)    whole on every rank          ``flat`
 ==========================================  ===========================  =====================
 
 with ``set_gradient_divide_factor(1.0)`` (sum; ``set_force_sum_reduction_for_comms`` keeps the
-collective a plain SUM, which every backend, gloo included, has) and ``set_reduce_scatter_unused_params(True)``
-(an MoE expert that no token of this rank's block reached still joins the reduce-scatter,
-with zeros, so every rank issues the same collectives). Parameters become DTensors sharded
-over those meshes (FSDP2's usual ZeRO-3 layout): build the optimizer after
-``parallelize_model``; ``p.full_tensor()`` gives a whole parameter or gradient.
+collective a plain SUM, which every backend, gloo included, has) and
+``set_reduce_scatter_unused_params(True)`` (an MoE expert that no token of this rank's block
+reached still joins the reduce-scatter, with zeros, so every rank issues the same collectives).
+Parameters become DTensors sharded over those meshes (FSDP2's usual ZeRO-3 layout): build the
+optimizer after ``parallelize_model``; ``p.full_tensor()`` gives a whole parameter or gradient.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def apply_fsdp(model: nn.Module, base: nn.Module, roles: dict[str, str], sm: Seq
     for path, role in roles.items():
         if role == "dense_mlp":
             wrapped.append(fully_shard(base.get_submodule(path), mesh=sm.cp))
-    for layer in base.layers:
+    for layer in base.get_submodule("layers").children():
         wrapped.append(fully_shard(layer, mesh=sm.flat))
     wrapped.append(fully_shard(model, mesh=sm.flat))
     for module in wrapped:

@@ -63,7 +63,7 @@ def _heads(attn: nn.Module) -> int:
     for name in ("num_heads", "num_attention_heads"):
         if isinstance(getattr(attn, name, None), int):
             return int(getattr(attn, name))
-    return int(attn.config.num_attention_heads)
+    return int(getattr(attn, "config").num_attention_heads)  # noqa: B009
 
 
 def _validate(
@@ -95,14 +95,15 @@ def _validate(
     p = mesh.size()
     roles: dict[str, str] = {}
     for i, layer in enumerate(_layers(base)):
-        attn_role = role_of(layer.self_attn, fam)
-        if attn_role == "mla" and _heads(layer.self_attn) % p:
+        attn = layer.get_submodule("self_attn")
+        attn_role = role_of(attn, fam)
+        if attn_role == "mla" and _heads(attn) % p:
             raise ValueError(
-                f"layer {i}: {_heads(layer.self_attn)} attention heads are not divisible by "
+                f"layer {i}: {_heads(attn)} attention heads are not divisible by "
                 f"cp·tp = {mesh.size(0)}·{mesh.size(1)} = {p} (each rank computes H/(cp·tp) heads)"
             )
         roles[f"layers.{i}.self_attn"] = attn_role
-        roles[f"layers.{i}.mlp"] = role_of(layer.mlp, fam)
+        roles[f"layers.{i}.mlp"] = role_of(layer.get_submodule("mlp"), fam)
     return fam, base, roles
 
 
