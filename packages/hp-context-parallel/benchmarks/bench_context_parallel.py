@@ -8,6 +8,13 @@ Two blocks, the same shapes: this package's ``MultiHeadLatentAttention`` (record
 ``cp_hf_deepseek_v3_fwd_bwd/*``; RoPE tables from its own rotary embedding at the rank's global
 positions, computed once outside the timed step). ``--block mla|deepseek_v3`` runs one.
 
+Under a modeled link (``simulated_link``, a simulation: every collective completes no earlier
+than launch + latency + bytes / bandwidth, the wait sleeping for what compute has not hidden),
+records ``cp_mla_fwd_bwd/link/<strategy>_overlap_vs_blocking``: for each strategy the link's
+bandwidth is chosen so that the blocking path's bytes per step take as long as its step
+without the link, then both paths run interleaved under it; ``hidden_fraction`` is
+``(T_blocking - T_overlapped) / T_link``, ``T_link`` the modeled link seconds per step.
+
     python packages/hp-context-parallel/benchmarks/bench_context_parallel.py \\
         --out bench.json [--quick]
     torchrun --nproc-per-node 2 packages/hp-context-parallel/benchmarks/bench_context_parallel.py \\
@@ -38,6 +45,7 @@ from hyper_parallel.dtensor.benchmarking import (
     interleaved_timing,
     peak_memory_bytes,
     run_ranks,
+    simulated_link,
     summary_line,
     write_records,
 )
@@ -138,6 +146,70 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
         cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
         records += _measure(cfg, block, cases, device, ws)
+        if block == "mla" and cfg["link"]:
+            records += _measure_link(cfg, block, cases, device)
+    return records
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _measure_link(
+    cfg: dict[str, Any], block: str, cases: dict[str, Any], device: torch.device
+) -> list[dict[str, Any]]:
+    """Overlapped vs blocking per strategy under a modeled link whose communication per step
+    matches the blocking path's compute (bandwidth = blocking bytes / blocking step time)."""
+    records = []
+    latency = cfg["link_latency"]
+    for strategy in ("expanded", "latent"):
+        ours, base = f"{strategy}_overlap", f"{strategy}_blocking"
+        pair = {ours: cases[ours], base: cases[base]}
+        t_plain = interleaved_timing({base: cases[base]}, repeats=cfg["repeats"], warmup=1)[base]
+        with simulated_link(0.0, 1e18) as count:
+            cases[base]()
+        nbytes = _max_over_ranks(count.bytes)
+        bandwidth = nbytes / t_plain
+        with simulated_link(latency, bandwidth):
+            times = interleaved_timing(pair, repeats=cfg["repeats"], warmup=1, device=device)
+        t_link = {}
+        for name, fn in pair.items():
+            with simulated_link(latency, bandwidth) as stats:
+                fn()
+            t_link[name] = _max_over_ranks(stats.modeled_s)
+        hidden = (times[base] - times[ours]) / t_link[base]
+        if dist.get_rank() == 0:
+            print(
+                f"link {strategy}: blocking step {t_plain * 1e3:.1f} ms without the link, "
+                f"{nbytes / 2**20:.2f} MiB/step in {count.collectives} collectives -> "
+                f"bandwidth {bandwidth / 1e6:.1f} MB/s, latency {latency * 1e6:.0f} us"
+            )
+        records.append(
+            bench_record(
+                f"{BLOCKS[block]}/link/{strategy}_overlap_vs_blocking",
+                times[ours],
+                times[base],
+                device=device.type,
+                ours=ours,
+                baseline=base,
+                simulated=True,
+                link_latency_s=latency,
+                link_bytes_per_s=bandwidth,
+                t_link_s=t_link[base],
+                t_link_ours_s=t_link[ours],
+                t_compute_blocking_s=t_plain,
+                link_bytes_per_step=nbytes,
+                hidden_fraction=hidden,
+                repeats=cfg["repeats"],
+                tokens=cfg["tokens"],
+                hidden=cfg["hidden"],
+                heads=cfg["heads"],
+                kv_lora=cfg["kv_lora"],
+                dtype=cfg["dtype"],
+            )
+        )
     return records
 
 
@@ -203,6 +275,8 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--kv-lora", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--block", choices=sorted(BLOCKS), default=None, help="default: both")
+    p.add_argument("--link-latency", type=float, default=20e-6, help="modeled link latency (s)")
+    p.add_argument("--no-link", action="store_true", help="skip the modeled-link comparison")
     a = p.parse_args(argv)
     # tokens, hidden, heads, kv_lora, q_lora, repeats
     dims = (1024, 512, 8, 128, 192, 3) if a.quick else (4096, 1024, 16, 256, 384, 5)
@@ -220,6 +294,8 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "repeats": a.repeats or dims[5],
         "blocks": [a.block] if a.block else list(BLOCKS),
         "warmup": 1,
+        "link": not a.no_link,
+        "link_latency": a.link_latency,
     }
     return cfg, a.out
 
@@ -230,6 +306,14 @@ def main(argv: list[str] | None = None) -> None:
     if records is not None:  # rank 0 (or the launching process) reports
         write_records(out, records)
         for record in records:
+            if record.get("simulated"):
+                print(
+                    f"{summary_line(record)}  [modeled link: latency "
+                    f"{record['link_latency_s'] * 1e6:.0f} us, "
+                    f"{record['link_bytes_per_s'] / 1e6:.1f} MB/s, T_link "
+                    f"{record['t_link_s'] * 1e3:.1f} ms, hidden {record['hidden_fraction']:.2f}]"
+                )
+                continue
             print(
                 f"{summary_line(record)}  bytes/rank/step {record['bytes_per_rank_ours']} vs "
                 f"{record['bytes_per_rank_baseline']} (x{record['bytes_ratio']:.3f}, "
