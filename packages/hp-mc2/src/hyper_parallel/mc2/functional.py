@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.mc2._chunked import (
     gather_matmuls,
     matmul_reduce_scatter_bwd,
@@ -168,14 +170,56 @@ def _prepare(
     bias: torch.Tensor | None,
     backend: str,
     chunks: int | None,
+    context: dict[str, Any] | None = None,
+    what: str | None = None,
 ) -> tuple[str, int]:
+    """Validate, choose the backend and the chunk count, and (consistency mode on) check that
+    every rank of ``group`` made the same choices for same-shaped operands (``context``: the
+    calling module's own fields, compared in the same one collective)."""
     ws = dist.get_world_size(group)
     validate_operands(op, x, weight, bias, ws, backend, chunks)
     choice, _ = select_backend(op, x, weight, group, backend=backend)
     if chunks is None:
         rows = x.shape[0] if op == "all_gather_matmul" else x.shape[0] // ws
         chunks = default_chunks(rows, x.shape[1], weight.shape[0], ws, x.device.type)
+    if consistency_enabled():
+        check_consistent(
+            group, what or op, **(context or {}), x=x, weight=weight, bias=bias, backend=choice,
+            chunks=chunks, world_size=ws,
+        )  # fmt: skip
     return choice, chunks
+
+
+def _column(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: Any,
+    bias: torch.Tensor | None,
+    backend: str,
+    chunks: int | None,
+    context: dict[str, Any] | None = None,
+    what: str | None = None,
+) -> torch.Tensor:
+    choice, chunks = _prepare(
+        "all_gather_matmul", x, weight, group, bias, backend, chunks, context, what
+    )
+    return _AllGatherMatmul.apply(x, weight, bias, group, choice, chunks)
+
+
+def _row(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: Any,
+    bias: torch.Tensor | None,
+    backend: str,
+    chunks: int | None,
+    context: dict[str, Any] | None = None,
+    what: str | None = None,
+) -> torch.Tensor:
+    choice, chunks = _prepare(
+        "matmul_reduce_scatter", x, weight, group, bias, backend, chunks, context, what
+    )
+    return _MatmulReduceScatter.apply(x, weight, bias, group, choice, chunks)
 
 
 def all_gather_matmul(
@@ -203,9 +247,13 @@ def all_gather_matmul(
         ``[m·ws, n_local]`` on every rank: all rows, this rank's output features.
         Backward gives ``dX = ReduceScatter_m(dY @ W)`` ``[m, k]``, ``dW = dYᵀ @ AllGather_m(x)``
         and ``db = Σ_m dY`` (both this rank's shard).
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
+    collective every rank of ``group`` compares ``x``, ``weight``, ``bias`` (shape, dtype,
+    device type), the chosen ``backend``, ``chunks`` and the group size, and all raise
+    ``InconsistentRanksError`` naming the differing field and ranks.
     """
-    choice, chunks = _prepare("all_gather_matmul", x, weight, group, bias, backend, chunks)
-    return _AllGatherMatmul.apply(x, weight, bias, group, choice, chunks)
+    return _column(x, weight, group, bias, backend, chunks)
 
 
 def matmul_reduce_scatter(
@@ -233,6 +281,7 @@ def matmul_reduce_scatter(
         ``[m/ws, n]``: rank ``r`` holds rows ``r·m/ws … (r+1)·m/ws - 1`` of the summed product.
         Backward gathers ``dY_full = AllGather_m(dY)`` and gives ``dX = dY_full @ W``,
         ``dW = dY_fullᵀ @ x`` and ``db = Σ_m dY_full`` (the full, replicated bias gradient).
+
+    Consistency mode: the same fields as :func:`all_gather_matmul` are compared.
     """
-    choice, chunks = _prepare("matmul_reduce_scatter", x, weight, group, bias, backend, chunks)
-    return _MatmulReduceScatter.apply(x, weight, bias, group, choice, chunks)
+    return _row(x, weight, group, bias, backend, chunks)

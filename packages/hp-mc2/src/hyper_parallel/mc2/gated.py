@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.mc2._chunked import (
     gather_matmuls,
     matmul_reduce_scatter_bwd,
@@ -45,7 +47,7 @@ from hyper_parallel.mc2.backend import (
 )
 from hyper_parallel.mc2.npu_ops import current_npu_ops
 
-__all__ = ["gated_mlp", "select_gated_backend", "validate_gated_operands"]
+__all__ = ["gated_mlp", "run_gated_mlp", "select_gated_backend", "validate_gated_operands"]
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 
@@ -303,34 +305,46 @@ def gated_mlp(
     Returns:
         ``[m, D]``: this rank's rows of the output. Gradients: ``dx`` ``[m, D]``, the weight and
         gate/up bias gradients are this rank's shards, ``db_d`` the full sum (replicated).
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
+    collective every rank of ``group`` compares ``x``, the three weights and the biases (shape,
+    dtype, device type), the chosen ``backend``, ``chunks`` and the group size, and all raise
+    ``InconsistentRanksError`` naming the differing field and ranks.
     """
-    ws = dist.get_world_size(group)
-    validate_gated_operands(
+    return run_gated_mlp(
         x,
-        gate_weight,
-        up_weight,
-        down_weight,
-        gate_bias,
-        up_bias,
-        down_bias,
+        (gate_weight, up_weight, down_weight),
+        (gate_bias, up_bias, down_bias),
+        group,
         act_fn,
-        ws,
         backend,
         chunks,
     )
-    choice, _ = select_gated_backend(x, gate_weight, down_weight, group, backend)
+
+
+def run_gated_mlp(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    biases: tuple[Any, Any, Any],
+    group: Any,
+    act_fn: Act,
+    backend: str,
+    chunks: int | None,
+    context: dict[str, Any] | None = None,
+    what: str = "gated_mlp",
+) -> torch.Tensor:
+    """:func:`gated_mlp` with ``context``: the calling module's own fields, compared (with the
+    checks on) in the same one collective as the call's, which ``what`` names."""
+    wg, wu, wd = weights
+    bg, bu, bd = biases
+    ws = dist.get_world_size(group)
+    validate_gated_operands(x, wg, wu, wd, bg, bu, bd, act_fn, ws, backend, chunks)
+    choice, _ = select_gated_backend(x, wg, wd, group, backend)
     if chunks is None:
-        chunks = default_chunks(x.shape[0], x.shape[1], 2 * gate_weight.shape[0], ws, x.device.type)
-    return _GatedMLP.apply(
-        x,
-        gate_weight,
-        up_weight,
-        down_weight,
-        gate_bias,
-        up_bias,
-        down_bias,
-        act_fn,
-        group,
-        choice,
-        chunks,
-    )
+        chunks = default_chunks(x.shape[0], x.shape[1], 2 * wg.shape[0], ws, x.device.type)
+    if consistency_enabled():
+        check_consistent(
+            group, what, **(context or {}), x=x, gate_weight=wg, up_weight=wu,
+            down_weight=wd, biases=(bg, bu, bd), backend=choice, chunks=chunks, world_size=ws,
+        )  # fmt: skip
+    return _GatedMLP.apply(x, wg, wu, wd, bg, bu, bd, act_fn, group, choice, chunks)

@@ -21,10 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyper_parallel.dtensor import check_rank_order
+from hyper_parallel.dtensor import check_consistent, check_rank_order
+from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.mc2.activation import check_elementwise_activation
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
-from hyper_parallel.mc2.gated import gated_mlp
+from hyper_parallel.mc2.gated import run_gated_mlp
 from hyper_parallel.mc2.linear import check_sequence_dim
 
 __all__ = ["MC2GatedMLPParallel"]
@@ -60,18 +61,17 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # Sequence first, so each rank's tokens are one contiguous block of rows.
     xs = x.movedim(seq, 0)
     lead = xs.shape[:-1]
-    y2 = gated_mlp(
+    context = {"input": x, "sequence_dim": seq} if consistency_enabled() else None
+    y2 = run_gated_mlp(
         xs.reshape(-1, xs.shape[-1]),
-        wg,
-        wu,
-        wd,
+        (wg, wu, wd),
+        (bg, bu, bd),
         plan.group,
-        act_fn=cast(Any, self.act_fn),
-        gate_bias=bg,
-        up_bias=bu,
-        down_bias=bd,
-        backend=plan.backend,
-        chunks=plan.chunks,
+        cast(Any, self.act_fn),
+        plan.backend,
+        plan.chunks,
+        context,
+        f"{_NAME} ({type(self).__name__})",
     )
     return y2.view(*lead, y2.shape[-1]).movedim(0, seq)
 
@@ -120,6 +120,13 @@ class MC2GatedMLPParallel(ParallelStyle):
 
     Output and every gradient equal the serial module on the full sequence; ``dW`` of each
     weight is this rank's shard of the full gradient.
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): applying the
+    style compares, over the tp group and before the weights are distributed, the style's
+    options (``gate``/``up``/``down``, ``sequence_dim``, ``backend``, ``chunks``), the module's
+    class and its weights' shapes and dtypes; each forward compares the input block (shape,
+    dtype), ``sequence_dim``, the weight shards, the chosen backend, the chunk count and the
+    tp size (:func:`~hyper_parallel.mc2.gated_mlp`'s fields), in one collective.
     """
 
     def __init__(
@@ -227,6 +234,12 @@ class MC2GatedMLPParallel(ParallelStyle):
         self._check_module(module, device_mesh.size())
         gate, up, down = self._linears(module)
         src = getattr(self, "src_data_rank", 0)
+        if consistency_enabled():  # distribute_tensor below communicates
+            check_consistent(
+                device_mesh.get_group(), _NAME, style=repr(self), module=type(module).__name__,
+                gate=(gate.weight, gate.bias), up=(up.weight, up.bias),
+                down=(down.weight, down.bias), src_data_rank=src, world_size=device_mesh.size(),
+            )  # fmt: skip
         kwargs: dict[str, Any] = {} if src == 0 else {"src_data_rank": src}
         layout = (
             (gate, "weight", Shard(0)),

@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
-from hyper_parallel.mc2.functional import all_gather_matmul, matmul_reduce_scatter
+from hyper_parallel.mc2.functional import _column, _row
 
 __all__ = ["MC2Linear", "MC2Parallel"]
 
@@ -63,6 +65,12 @@ class MC2Linear(nn.Linear):
     ``[..., S, ..., out/ws]``. Row mode: input ``[..., S, ..., in/ws]``, output
     ``[..., S/ws, ..., out]``. The weight (and bias) are this rank's shards, as plain tensors
     or DTensors.
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
+    collective the ranks of the group compare the input (this rank's block: shape, dtype,
+    device type), ``mode``, ``sequence_dim``, the weight and bias shards, the chosen backend,
+    the chunk count and the group size (one collective; a DTensor input that must be
+    redistributed first is compared, with its placements, before the redistribution).
     """
 
     mc2: MC2Parallel | None
@@ -111,12 +119,18 @@ class MC2Linear(nn.Linear):
         if cfg is None:
             return F.linear(input, self.weight, self.bias)
         x = input
+        what = f"MC2Linear ({cfg.mode})"
         if isinstance(x, DTensor):
             # Bring a DTensor input to the layout this mode consumes, then work on its shard.
             d = x.dim()
             if d >= 2 and -d <= cfg.sequence_dim < d:
                 want = Shard(cfg.sequence_dim % d) if cfg.mode == "column" else Shard(d - 1)
                 if tuple(x.placements) != (want,):
+                    if consistency_enabled():  # the redistribution is a collective
+                        check_consistent(
+                            cfg.group, what, input=x, placements=tuple(x.placements),
+                            mode=cfg.mode, sequence_dim=cfg.sequence_dim,
+                        )  # fmt: skip
                     x = x.redistribute(placements=[want])
             x = x.to_local()
         weight, bias = _local(self.weight), _local(self.bias)
@@ -127,15 +141,14 @@ class MC2Linear(nn.Linear):
         xs = x.movedim(seq, 0)
         lead = xs.shape[:-1]
         x2 = xs.reshape(-1, xs.shape[-1])
+        context = (
+            {"input": x, "mode": cfg.mode, "sequence_dim": seq} if consistency_enabled() else None
+        )
         if cfg.mode == "column":
-            y2 = all_gather_matmul(
-                x2, weight, cfg.group, bias=bias, backend=cfg.backend, chunks=cfg.chunks
-            )
+            y2 = _column(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks, context, what)
             out_lead = (lead[0] * ws, *lead[1:])
         else:
-            y2 = matmul_reduce_scatter(
-                x2, weight, cfg.group, bias=bias, backend=cfg.backend, chunks=cfg.chunks
-            )
+            y2 = _row(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks, context, what)
             out_lead = (lead[0] // ws, *lead[1:])
         y = y2.view(*out_lead, y2.shape[-1]).movedim(0, seq)
         if cfg.output_mesh is not None:

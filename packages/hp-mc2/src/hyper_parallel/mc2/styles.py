@@ -12,13 +12,19 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from hyper_parallel.dtensor import check_rank_order
+from hyper_parallel.dtensor import check_consistent, check_rank_order
+from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel, Mode, check_sequence_dim
 
 __all__ = ["MC2ColwiseParallel", "MC2RowwiseParallel"]
 
 
 class _MC2Style(ParallelStyle):
+    """Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): applying the
+    style compares, over the tp group and before the weights are distributed, the style's
+    options (``sequence_dim``, ``backend``, ``chunks``, ``use_local_output``), the module's class
+    and its weight and bias (shape, dtype); each forward is checked by :class:`MC2Linear`."""
+
     _mode: Mode
 
     def __init__(
@@ -58,6 +64,12 @@ class _MC2Style(ParallelStyle):
         src = getattr(self, "src_data_rank", 0)
         if src != 0:
             kwargs["src_data_rank"] = src
+        if consistency_enabled():  # distribute_tensor below communicates
+            check_consistent(
+                device_mesh.get_group(), name, style=repr(self), module=type(module).__name__,
+                weight=module.weight, bias=module.bias, src_data_rank=src,
+                world_size=device_mesh.size(),
+            )  # fmt: skip
         for pname, placement in self._placements().items():
             param = getattr(module, pname)
             if param is None:
