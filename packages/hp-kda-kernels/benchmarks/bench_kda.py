@@ -12,6 +12,13 @@
    T = 2048 for local CPU ranks; transformers needed) under ``parallelize_kda`` at 2 and 4
    ranks vs the stock serial layer on the whole sequence (and vs the rewritten layer on one
    rank): time, peak memory, bytes received per rank (state exchange + halo).
+6. At 4 ranks, each exchange protocol under a modeled latency-bound link (``simulated_link``,
+   a simulation: every collective completes no earlier than launch + latency + bytes /
+   bandwidth; default 2 ms, 100 GB/s; one head, so the link, not the fold, dominates): p2p's
+   P-1 serial hops vs one all-gather. Records
+   ``kda_exchange_link/P4/<protocol>_vs_best``, and ``auto_vs_best`` with what ``auto`` picks
+   on this device (its default cost parameters) and what its cost model picks when told the
+   link's latency and bandwidth, both checked against the measured best.
 
     python packages/hp-kda-kernels/benchmarks/bench_kda.py --out bench-results/kda.json [--quick]
     torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/bench_kda.py \
@@ -39,10 +46,13 @@ from hyper_parallel.dtensor.benchmarking import (
     launched_by_torchrun,
     peak_memory_bytes,
     run_ranks,
+    simulated_link,
     summary_line,
     write_records,
 )
 from hyper_parallel.kda import (
+    DEFAULT_COST_PARAMS,
+    CostParams,
     build_state_exchange,
     choose_protocol,
     chunk_kda,
@@ -224,6 +234,98 @@ def bench_exchange(cfg: dict[str, Any], device: torch.device) -> list[dict[str, 
     return records
 
 
+# ---- 6. exchange protocols under a modeled latency-bound link ------------------------------
+def bench_exchange_link(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    P, r = dist.get_world_size(), dist.get_rank()
+    B, H, K, V = 1, cfg["link_heads"], 128, 128
+    latency, bandwidth = cfg["link_latency"], cfg["link_bytes_per_s"]
+    mesh = init_device_mesh(device.type, (P,), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(r)
+    S = torch.randn(B, H, K, V, generator=gen).to(device)
+    M = (torch.randn(B, H, K, K, generator=gen) / K**0.5).to(device)
+    G = torch.randn(B, H, K, V, generator=gen).to(device)
+    variants: dict[str, Any] = {"p2p": ("p2p", None), "allgather": ("allgather", None)}
+    for w in grouped_widths(P):
+        variants[f"grouped:{w}"] = ("grouped", w)
+    executors = {
+        n: build_state_exchange(mesh, p, w, backend="torch") for n, (p, w) in variants.items()
+    }
+
+    def run(ex: Any) -> Callable[[], None]:
+        def step() -> None:
+            ex.forward(S, M)
+            ex.backward(G, M)
+
+        return step
+
+    cases = {n: run(ex) for n, ex in executors.items()}
+    with simulated_link(latency, bandwidth):
+        times = interleaved_timing(cases, repeats=cfg["repeats"] * 3, warmup=2, device=device)
+    t_link: dict[str, float] = {}
+    for name, fn in cases.items():
+        with simulated_link(latency, bandwidth) as stats:
+            fn()
+        t = torch.tensor([stats.modeled_s, stats.collectives], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t_link[name] = float(t[0])
+    best = min(times, key=times.__getitem__)
+    cpu_flops = DEFAULT_COST_PARAMS["cpu"].flops_per_s
+    told = choose_protocol(
+        P, B, H, K, V, params=CostParams(latency, bandwidth, cpu_flops)
+    )  # the cost model told this link's α and β
+    default = choose_protocol(P, B, H, K, V, device_type=device.type)
+
+    def label(c: Any) -> str:
+        return c.protocol + (f":{c.group_size}" if c.group_size else "")
+
+    told_name, default_name = label(told), label(default)
+    link = {
+        "simulated": True,
+        "link_latency_s": latency,
+        "link_bytes_per_s": bandwidth,
+        "B": B, "H": H, "K": K, "V": V, "dtype": "fp32", "P": P, "direction": "fwd+bwd",
+    }  # fmt: skip
+    if r == 0:
+        print(
+            f"link (kda exchange, P={P}): latency {latency * 1e3:.1f} ms, "
+            f"{bandwidth / 1e9:.0f} GB/s; measured "
+            + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items())
+            + f"; model told the link picks {told_name}, default picks {default_name}"
+        )
+    records = [
+        bench_record(
+            f"kda_exchange_link/P{P}/{name}_vs_best",
+            times[name],
+            times[best],
+            device=device.type,
+            protocol=name,
+            best=best,
+            t_link_s=t_link[name],
+            modelled_s_told_link=told.costs.get(name),
+            **link,
+        )
+        for name in cases
+    ]
+    records.append(
+        bench_record(
+            f"kda_exchange_link/P{P}/auto_vs_best",
+            times[default_name],
+            times[best],
+            device=device.type,
+            best=best,
+            auto_picked=default_name,
+            auto_picked_told_link=told_name,
+            told_link_vs_best=times[told_name] / times[best],
+            auto_matches_best=default_name == best,
+            told_link_matches_best=told_name == best,
+            explanation=told.explanation,
+            t_link_s=t_link[default_name],
+            **link,
+        )
+    )
+    return records
+
+
 # ---- 3. the layer vs the serial layer ------------------------------------------------------
 def bench_layer(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
     P, r = dist.get_world_size(), dist.get_rank()
@@ -379,6 +481,8 @@ def bench_kernels(cfg: dict[str, Any], device: torch.device) -> list[dict[str, A
 def _ranks_body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     device = torch.device(cfg["device"])
     records = bench_exchange(cfg, device)
+    if dist.get_world_size() == 4 and cfg["link"]:
+        records += bench_exchange_link(cfg, device)
     if dist.get_world_size() == 2:
         records += bench_layer(cfg, device)
     records += bench_stock_layer(cfg, device)
@@ -387,6 +491,10 @@ def _ranks_body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p = bench_arguments(__doc__)
+    p.add_argument("--link-latency", type=float, default=2e-3, help="modeled link latency (s)")
+    p.add_argument("--link-bandwidth", type=float, default=1e11, help="modeled link bytes/s")
+    p.add_argument("--link-heads", type=int, default=1, help="heads H of the link comparison")
+    p.add_argument("--no-link", action="store_true", help="skip the modeled-link comparison")
     a = p.parse_args(argv)
     if a.quick:
         cfg = dict(summary_T=256, summary_H=2, heads=8, layer_T=512, layer_H=1, repeats=3)
@@ -399,6 +507,12 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
             # T = 8192 on a CPU; its time and memory grow linearly in T
             cfg.update(stock_T=2048, stock_repeats=2)
     cfg["device"] = a.device
+    cfg.update(
+        link_heads=a.link_heads,
+        link=not a.no_link,
+        link_latency=a.link_latency,
+        link_bytes_per_s=a.link_bandwidth,
+    )
     return cfg, a.out
 
 
@@ -433,6 +547,14 @@ def main(argv: list[str] | None = None) -> None:
                 line += f" (halo max {max(record['halo_bytes_received_per_rank']) / 2**10:.1f} KiB)"
             if "auto_picked" in record:
                 line += f"  auto picked {record['auto_picked']} (best {record['best']})"
+            if "auto_picked_told_link" in record:
+                line += f"; told the link: {record['auto_picked_told_link']}"
+            if record.get("simulated"):
+                line += (
+                    f"  [modeled link {record['link_latency_s'] * 1e3:.1f} ms, "
+                    f"{record['link_bytes_per_s'] / 1e9:.0f} GB/s, T_link "
+                    f"{record['t_link_s'] * 1e3:.2f} ms]"
+                )
             if "parallel_efficiency" in record:
                 line += f"  efficiency {record['parallel_efficiency']:.2f}"
             if "ours_serial_s" in record:
