@@ -33,8 +33,10 @@ from torch import Tensor
 from hyper_parallel.context_parallel.families import MLACall, MLAFamily
 from hyper_parallel.context_parallel.mla import MLAConfig
 from hyper_parallel.context_parallel.transport import BLOCK_OWNER, leak_message, leaked_by
+from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
 
-__all__ = ["admit", "mask_problem"]
+__all__ = ["admit", "check_call_consistent", "mask_problem"]
 
 # verdict codes, in priority order (the lowest non-zero code on any rank names the error)
 OK, LEAK, HIDDEN, CACHE, MASK, ROPE, PACKED, DROPOUT = range(8)
@@ -101,6 +103,38 @@ def admit(
             f"{shapes}; every rank must hold an equal contiguous block of the same batch"
         )
     return Admission(b, s)
+
+
+def check_call_consistent(
+    module: Any, family: MLAFamily, dims: MLAConfig, call: MLACall, pg: Any, options: dict
+) -> None:
+    """Consistency mode only (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``; off: no
+    work, no communication): before :func:`admit` and the schedule, every rank of ``pg``
+    compares ``options`` (the rewrite's ``strategy`` and ``overlap``) and what the rewritten
+    forward decides from its call: the family, the MLA sizes, ``hidden_states``,
+    ``attention_mask`` and ``position_embeddings`` (shape, dtype, device type; never values),
+    the RoPE layout, ``past_key_values``' type, the names of the other arguments given,
+    training mode and dropout, and whether autograd records (the backward collectives). Every
+    rank raises ``InconsistentRanksError`` naming the first differing field and the ranks."""
+    if not consistency_enabled():
+        return
+    config = getattr(module, "config", None)
+    check_consistent(
+        pg,
+        f"context-parallel {family.class_name} forward",
+        **options,
+        family=family.class_name,
+        dims=dims,
+        hidden_states=call.hidden_states,
+        attention_mask=call.attention_mask,
+        position_embeddings=call.position_embeddings,
+        rope_interleave=bool(getattr(config, "rope_interleave", False)),
+        past_key_values=type(call.past_key_values).__name__,
+        kwargs=sorted(k for k, v in call.kwargs.items() if v is not None),
+        training=bool(getattr(module, "training", False)),
+        dropout=family.dropout(module),
+        grad_enabled=torch.is_grad_enabled(),
+    )
 
 
 def _shape_or_zero(x: Any) -> tuple[int, int]:

@@ -10,6 +10,10 @@ exchange's launch and wait autograd nodes, so the gradient's collective (the inv
 all-to-all, or the reduce-scatter of an all-gather) overlaps whatever autograd runs between
 them in backward.
 
+Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): each collective
+first compares, over its group, its kind, ``x`` (shape, dtype, device type) and the
+normalised dims; ranks that disagree all raise ``InconsistentRanksError`` instead of hanging.
+
 Every collective launched here and not yet waited is listed by :func:`pending_collectives`;
 the parallel MLA forward refuses to start while one launched by a parallel MLA block is
 pending (an exception between its launch and wait, or a backward collective whose paired node
@@ -24,6 +28,8 @@ from torch import Tensor
 
 from hyper_parallel.context_parallel.exchange import Exchange, ExchangeKind, blocking, launch, wait
 from hyper_parallel.context_parallel.transport import pending_collectives, resolve_group
+from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
 
 __all__ = [
     "CollectiveHandle",
@@ -97,6 +103,9 @@ def make_exchange(
         a = _norm_dim(a, x.dim(), "dim")
     else:
         a, b = _check_ulysses(x, a, b, g.size, "head" if kind == "s2h" else "seq")
+    if consistency_enabled():
+        dims = {"dim": a} if kind == "ag" else {"seq_dim": a, "head_dim": b}
+        check_consistent(g.pg, name, kind=kind, x=x, **dims, size=g.size)
     return Exchange(kind, g, a, b, name, owner)
 
 

@@ -19,7 +19,8 @@ from hyper_parallel.context_parallel.collectives import (
     ulysses_head_to_seq,
     ulysses_seq_to_head,
 )
-from hyper_parallel.dtensor import DeviceMesh, unflatten
+from hyper_parallel.dtensor import DeviceMesh, check_consistent, unflatten
+from hyper_parallel.dtensor.consistency import consistency_enabled
 
 __all__ = ["hybrid_attention", "hybrid_meshes"]
 
@@ -77,6 +78,10 @@ def hybrid_attention(
     tensors with a boolean mask ``[Lq, Lk]`` (True = attend), e.g.
     ``torch.nn.functional.scaled_dot_product_attention``. Keys past the query block are not
     gathered into the computation (causality), so ``Lk = (g + 1)·S/G`` on gather rank g.
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the
+    sub-meshes are created and the first all-to-all, every rank of ``cp_mesh`` compares
+    ``q``, ``k``, ``v`` (shape, dtype, device type), ``ulysses_degree`` and the CP size.
     """
     p = _check_degree(cp_mesh, ulysses_degree)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -86,7 +91,11 @@ def hybrid_attention(
             raise ValueError(f"{name} has shape {tuple(t.shape)}, q has {tuple(q.shape)}")
     if q.shape[2] % ulysses_degree:
         raise ValueError(f"heads ({q.shape[2]}) not divisible by ulysses_degree {ulysses_degree}")
-    del p
+    if consistency_enabled():  # hybrid_meshes may create groups: check first
+        check_consistent(
+            cp_mesh.get_group(0), "hybrid_attention", q=q, k=k, v=v,
+            ulysses_degree=ulysses_degree, cp_size=p,
+        )  # fmt: skip
     umesh, gmesh = hybrid_meshes(cp_mesh, ulysses_degree)
     q_u = ulysses_seq_to_head(q, 1, 2, umesh)  # [B, S/G, H/U, d]
     k_u = ulysses_seq_to_head(k, 1, 2, umesh)

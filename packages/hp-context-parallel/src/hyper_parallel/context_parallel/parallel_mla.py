@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyper_parallel.context_parallel.admission import admit
+from hyper_parallel.context_parallel.admission import admit, check_call_consistent
 from hyper_parallel.context_parallel.exchange import Exchange, blocking, launch, wait
 from hyper_parallel.context_parallel.families import MLACall, MLAFamily, find_family
 from hyper_parallel.context_parallel.fused import WaitExpand, WaitLinear, mark
@@ -96,6 +96,8 @@ def _run(m: Any, call: MLACall) -> Tensor:
     """The rewritten forward of every family: ``call.hidden_states [B, S/P, D] -> [B, S/P, D]``."""
     st: _CPState = getattr(m, _STATE)
     c, fam = st.dims, st.family
+    options = {"strategy": st.strategy, "overlap": st.overlap, "cp_size": st.size}
+    check_call_consistent(m, fam, c, call, st.group.pg, options)
     adm = admit(m, fam, c, call, st.group.pg, st.size, st.rank, st.mesh.device_type)
     x: Tensor = call.hidden_states
     rope = fam.rope(m, call, st.rank * adm.s_local, c)
@@ -276,6 +278,13 @@ def parallelize_mla(
     ``strategy``: ``"expanded"`` (a2a of Q, K and V) or ``"latent"`` (a2a of Q, all-gather of
     the ``kv_lora_rank + qk_rope_head_dim`` latent). ``overlap``: overlap collectives with
     projection compute (see the module docstring) or run them blocking.
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): each forward
+    first compares, over the CP group, ``strategy``, ``overlap``, the CP size and what the
+    forward decides from its call (family, sizes, ``hidden_states``/mask/RoPE shapes and dtypes,
+    training mode; see ``admission.check_call_consistent``), so a rank rewritten with another
+    strategy, or given another block length or dtype, makes every rank raise
+    ``InconsistentRanksError`` instead of hanging.
 
     Errors, raised identically on every rank before any communication, leaving the module
     untouched: ``TypeError`` (a module of no supported family — the message lists them —,

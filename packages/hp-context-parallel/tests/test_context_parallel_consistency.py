@@ -1,0 +1,106 @@
+"""Consistency mode: ranks that disagree on a block length, a dtype, a chosen option (strategy,
+overlap) or what a rewritten Hugging Face forward decides (its mask) raise the same
+InconsistentRanksError on every rank, naming the field and the ranks, instead of hanging;
+with the checks off (the default) the rewritten block runs as before."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _cp_hf import build as build_hf
+from _cp_hf import call as call_hf
+from _cp_hf import inputs as inputs_hf
+from _cp_testutil import build, cp_mesh, inputs
+
+from hyper_parallel.context_parallel import parallelize_mla, shard_sequence, ulysses_seq_to_head
+from hyper_parallel.dtensor import InconsistentRanksError, consistency_checks
+
+
+def _caught(fn: Callable[[], Any]) -> tuple[str, str] | None:
+    try:
+        fn()
+    except InconsistentRanksError as exc:
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the group still works: nobody was left inside a collective
+        assert t.item() == dist.get_world_size()
+        return exc.field, str(exc)
+    return None
+
+
+def _cases() -> dict[str, Any]:
+    rank = dist.get_rank()
+    mesh = cp_mesh()
+    x, _ = inputs()
+    block = shard_sequence(x, mesh)  # [2, 8, 24] float64
+    res: dict[str, Any] = {}
+    with consistency_checks():
+        # a strategy / overlap chosen differently on rank 1 (parallelize_mla is local; the
+        # forward compares)
+        m = parallelize_mla(build(False), mesh, strategy="latent" if rank else "expanded")
+        res["strategy"] = _caught(lambda: m(block))
+        m = parallelize_mla(build(False), mesh, overlap=rank == 0)
+        res["overlap"] = _caught(lambda: m(block))
+        m = parallelize_mla(build(False), mesh)
+        # a different block length, then a different dtype, on rank 1
+        res["seq"] = _caught(lambda: m(block[:, : 8 - 2 * rank]))
+        res["dtype"] = _caught(lambda: m(block.float() if rank else block))
+        # the stock DeepSeek-V3 attention given a (plain causal) mask on rank 1 only
+        hf = parallelize_mla(build_hf("deepseek_interleave"), mesh)
+        xh, _ = inputs_hf()
+        pos = torch.arange(8 * rank, 8 * rank + 8)
+        causal = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+        mask = causal if rank else None
+        res["hf_mask"] = _caught(
+            lambda: call_hf(hf, "deepseek_interleave", shard_sequence(xh, mesh), pos,
+                            attention_mask=mask)
+        )  # fmt: skip
+        # a user collective: a different sequence length on rank 1
+        t = torch.zeros(2, 4 + 2 * rank, 8, 3)
+        res["a2a"] = _caught(lambda: ulysses_seq_to_head(t, 1, 2, mesh))
+        # consistent calls pass the checks
+        res["consistent"] = tuple(m(block).shape)
+    # checks off (the default): the rewritten block equals the serial one on its rows
+    serial = build(False)(x)
+    got = m(block)
+    rows = slice(8 * rank, 8 * rank + 8)
+    res["off_err"] = (got - serial[:, rows]).abs().max().item()
+    return res
+
+
+# case -> (field named in the error, the call named in it)
+EXPECTED = {
+    "strategy": ("strategy", "context-parallel MultiHeadLatentAttention forward"),
+    "overlap": ("overlap", "context-parallel MultiHeadLatentAttention forward"),
+    "seq": ("hidden_states", "context-parallel MultiHeadLatentAttention forward"),
+    "dtype": ("hidden_states", "context-parallel MultiHeadLatentAttention forward"),
+    "hf_mask": ("attention_mask", "context-parallel DeepseekV3Attention forward"),
+    "a2a": ("x", "a2a:seq_to_head"),
+}
+
+
+@pytest.mark.timeout(120)
+def test_disagreeing_ranks_raise_on_every_rank_and_consistent_calls_still_run():
+    from hyper_parallel.dtensor.testing import run_distributed
+
+    os.environ.pop("HP_CHECK_CONSISTENCY", None)
+    results = run_distributed(_cases, 2, timeout=90)
+    for case, (field, what) in EXPECTED.items():
+        got = [r[case] for r in results]
+        assert got[0] is not None, f"{case}: no error"
+        assert got[0] == got[1], f"{case}: the ranks raised different errors {got}"
+        assert got[0][0] == field, (case, got[0])
+        msg = got[0][1]
+        assert msg.startswith(what) and f"disagree on {field!r}" in msg, (case, msg)
+        assert "ranks [0]: " in msg and "ranks [1]: " in msg, (case, msg)
+    assert "ranks [0]: 'expanded'; ranks [1]: 'latent'" in results[0]["strategy"][1]
+    assert "Tensor[2, 8, 24]" in results[0]["seq"][1] and "Tensor[2, 6, 24]" in results[0]["seq"][1]
+    assert "float32" in results[0]["dtype"][1] and "float64" in results[0]["dtype"][1]
+    assert "ranks [0]: None; ranks [1]: Tensor[1, 1, 8, 8]:bool" in results[0]["hf_mask"][1]
+    for r in results:
+        assert r["consistent"] == (2, 8, 24)
+        assert r["off_err"] < 1e-10
