@@ -10,9 +10,13 @@ too) and writes
 
 - ``DIR/summary.json``: ``{"records": [...], "sources": {...}}``, each record tagged with the
   file (package) it came from;
-- ``DIR/summary.md``: one markdown table (ours vs baseline, ratio, peak memory);
+- ``DIR/summary.md``: one markdown table (ours vs baseline, ratio, peak memory) of the plain
+  runs and, for records marked ``simulated: true`` (run under hp-dtensor's
+  ``simulated_link``), a separate "Modeled link (simulation)" table with each row's link
+  parameters (``link_latency_s``, ``link_bytes_per_s``), ``t_link_s`` (modeled link seconds
+  per step) and ``hidden_fraction`` where the record has them;
 - ``DIR/summary.png``: a horizontal bar chart of the ratios (ours / baseline, < 1 is faster)
-  with a line at 1.0.
+  with a line at 1.0; simulated rows are hatched and labelled ``[sim]``.
 
 Needs matplotlib for the chart (``nox -s bench`` installs it); without it the script stops
 with a clear message before writing anything.
@@ -63,7 +67,56 @@ def _mib(n: Any) -> str:
     return f"{n / 2**20:.1f}" if isinstance(n, int | float) else "-"
 
 
+def _num(value: Any, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, int | float) else "-"
+
+
+def _bandwidth(bps: Any) -> str:
+    if not isinstance(bps, int | float):
+        return "-"
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.3g} B/s"
+
+
+def link_markdown(records: list[dict[str, Any]]) -> str:
+    """The "Modeled link (simulation)" table of the records marked ``simulated``."""
+    lines = [
+        "| package | comparison | ours (ms) | baseline (ms) | ratio (ours / baseline) "
+        "| link latency | link bandwidth | T_link (ms/step) | hidden fraction | ranks |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        latency = r.get("link_latency_s")
+        lines.append(
+            f"| {r['source']} | `{r['name']}` | {_ms(r['ours_s'])} | {_ms(r['baseline_s'])} "
+            f"| {r['ratio']:.3f}x | {_num(latency * 1e6 if latency is not None else None, '.0f')}"
+            f" µs | {_bandwidth(r.get('link_bytes_per_s'))} | {_ms(r.get('t_link_s'))} "
+            f"| {_num(r.get('hidden_fraction'), '.2f')} | {r.get('world_size', '-')} |"
+        )
+    return (
+        "## Modeled link (simulation)\n\nNot a measurement of any real interconnect: these runs "
+        "use hp-dtensor's `simulated_link`, under which every collective completes no earlier "
+        "than launch + latency + bytes / bandwidth; the remaining time is slept in the waiting "
+        "thread, so compute issued between a collective's launch and its wait hides it, while a "
+        "blocking call pays all of it. Compute is real (this CPU). T_link: modeled link time "
+        "per step, of the baseline where a hidden fraction is given (else of ours); "
+        "hidden fraction = (T_baseline − T_ours) / T_link (1: all "
+        "communication hidden, 0: none).\n\n" + "\n".join(lines) + "\n"
+    )
+
+
 def markdown(records: list[dict[str, Any]]) -> str:
+    plain = [r for r in records if not r.get("simulated")]
+    simulated = [r for r in records if r.get("simulated")]
+    text = _plain_markdown(plain)
+    if simulated:
+        text += "\n" + link_markdown(simulated)
+    return text
+
+
+def _plain_markdown(records: list[dict[str, Any]]) -> str:
     lines = [
         "| package | comparison | ours (ms) | baseline (ms) | ratio (ours / baseline) "
         "| peak mem ours / baseline (MiB) | device | ranks |",
@@ -83,7 +136,9 @@ def markdown(records: list[dict[str, Any]]) -> str:
 
 
 def chart(records: list[dict[str, Any]], path: Path, plt: Any) -> None:
-    labels = [f"{r['source']}: {r['name']}" for r in records]
+    labels = [
+        f"{r['source']}: {r['name']}" + (" [sim]" if r.get("simulated") else "") for r in records
+    ]
     ratios = [r["ratio"] if math.isfinite(r["ratio"]) else 0.0 for r in records]
     height = max(2.5, 0.35 * len(records) + 1.2)
     fig, ax = plt.subplots(figsize=(10, height))
@@ -91,7 +146,11 @@ def chart(records: list[dict[str, Any]], path: Path, plt: Any) -> None:
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colors = [palette[sources.index(r["source"]) % len(palette)] for r in records]
     y = list(range(len(records)))[::-1]
-    ax.barh(y, ratios, color=colors)
+    bars = ax.barh(y, ratios, color=colors)
+    for bar, r in zip(bars, records):
+        if r.get("simulated"):
+            bar.set_hatch("//")
+            bar.set_edgecolor("black")
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
     ax.set_yticks(y)
     ax.set_yticklabels(labels, fontsize=8)
