@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.dtensor import all_gather_single
+from hyper_parallel.dtensor import all_gather_single, check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
 
 from ._checks import check_summary_pair
 from .cost import CostParams, ProtocolChoice, choose_protocol, grouped_widths
@@ -51,17 +52,39 @@ class StateExchange:
 
     def forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """``S: [B, H, K, V]``, ``M: [B, H, K, K]`` fp32 (this rank's summary) → ``h_in(r)``
-        ``[B, H, K, V]`` (zeros on the first rank)."""
+        ``[B, H, K, V]`` (zeros on the first rank). Consistency mode: the ranks first compare
+        ``S``, ``M`` (shape, dtype), the protocol and the group size."""
+        _validate(S, M, self._device_type(), self.backend, f"{self.protocol} forward")
+        self._check_consistent("forward", S, M)
+        return self.exchange_forward(S, M)
+
+    def backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+        """``G: [B, H, K, V]`` (``∂L_r/∂h_in(r)``), ``M`` this rank's map → the gradient at
+        this rank's outgoing state (zeros on the last rank). Consistency mode as
+        :meth:`forward`."""
+        _validate(G, M, self._device_type(), self.backend, f"{self.protocol} backward")
+        self._check_consistent("backward", G, M)
+        return self.exchange_backward(G, M)
+
+    def exchange_forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` without the consistency check (the caller made it)."""
         _validate(S, M, self._device_type(), self.backend, f"{self.protocol} forward")
         with torch.no_grad():
             return self._forward(S.detach(), M.detach())
 
-    def backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-        """``G: [B, H, K, V]`` (``∂L_r/∂h_in(r)``), ``M`` this rank's map → the gradient at
-        this rank's outgoing state (zeros on the last rank)."""
+    def exchange_backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+        """:meth:`backward` without the consistency check (the caller made it)."""
         _validate(G, M, self._device_type(), self.backend, f"{self.protocol} backward")
         with torch.no_grad():
             return self._backward(G.detach(), M.detach())
+
+    def _check_consistent(self, direction: str, S: torch.Tensor, M: torch.Tensor) -> None:
+        if consistency_enabled():
+            check_consistent(
+                self.group, f"StateExchange.{direction}", states=S, maps=M,
+                protocol=self.protocol, group_size=self.group_size, backend=self.backend,
+                world_size=self.world_size,
+            )  # fmt: skip
 
     def _device_type(self) -> str:
         return str(getattr(self.mesh, "device_type", "cpu"))
@@ -278,7 +301,7 @@ def _check_group_size(protocol: str, group_size: object, P: int) -> int | None:
     return group_size
 
 
-def _default_width(P: int) -> int:
+def default_width(P: int) -> int:
     """The largest divisor of ``P`` not above ``√P`` (balances gather width and chain length)."""
     return max(w for w in range(1, P + 1) if P % w == 0 and w * w <= P)
 
@@ -298,7 +321,9 @@ def build_state_exchange(
     ``"auto"`` (per call, :func:`choose_protocol` with ``cost_params``). ``backend`` selects the
     fold backend (``"auto"``, ``"torch"``, ``"triton"``). Collective over the mesh only when
     the grouped sub-mesh must be created (``grouped`` / ``auto`` with P ≥ 4); every check runs
-    first and raises ``ValueError`` on every rank.
+    first and raises ``ValueError`` on every rank. Consistency mode (``HP_CHECK_CONSISTENCY=1``
+    or ``consistency_checks()``): before that collective the ranks compare ``protocol``,
+    ``group_size``, ``backend``, ``cost_params`` and the mesh size.
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
@@ -313,10 +338,15 @@ def build_state_exchange(
     ranks = rank_list(mesh)
     width = _check_group_size(protocol, group_size, len(ranks))
     group = mesh.get_group(0)
+    if consistency_enabled() and protocol in ("grouped", "auto"):  # may create sub-meshes
+        check_consistent(
+            group, "build_state_exchange", protocol=protocol, group_size=group_size,
+            backend=backend, cost_params=cost_params, mesh_size=len(ranks),
+        )  # fmt: skip
     if protocol == "p2p":
         return _P2P(mesh, ranks, group, backend)
     if protocol == "allgather":
         return _AllGather(mesh, ranks, group, backend)
     if protocol == "grouped":
-        return _Grouped(mesh, ranks, group, backend, width or _default_width(len(ranks)))
+        return _Grouped(mesh, ranks, group, backend, width or default_width(len(ranks)))
     return _Auto(mesh, ranks, group, backend, cost_params)

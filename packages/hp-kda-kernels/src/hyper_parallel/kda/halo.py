@@ -30,6 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
+
 __all__ = ["PendingHalo", "causal_conv_halo", "start_causal_conv_halo"]
 
 _TAG_FWD, _TAG_BWD = 7311, 7312
@@ -213,11 +216,22 @@ def start_causal_conv_halo(
     returns to the ranks whose rows it holds. Every rank must call it (and, when gradients are
     needed, run backward through the halo) in the same order. Errors (``ValueError``) are
     raised before any communication.
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): the ranks first
+    compare ``x``'s shape without its sequence dim (block lengths may differ), its dtype and
+    device type, ``width``, ``seq_dim`` and whether gradients will flow (the backward exchange).
     """
     seq_dim = _check(x, width, seq_dim)
     group, prev, nxt, device_type = _route(mesh)
     if device_type is not None and x.device.type != device_type:
         raise ValueError(f"x is on {x.device} but the mesh is a {device_type!r} mesh")
+    if consistency_enabled():
+        rest = tuple(n for d, n in enumerate(x.shape) if d != seq_dim)
+        check_consistent(
+            group, "causal_conv_halo", x_without_seq_dim=rest, dtype=str(x.dtype),
+            device=x.device.type, width=width, seq_dim=seq_dim,
+            needs_grad=torch.is_grad_enabled() and x.requires_grad,
+        )  # fmt: skip
     return PendingHalo(x, width, seq_dim, group, prev, nxt)
 
 

@@ -15,10 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
+
 from ._checks import check_chunk_size, check_kernel_dims, check_qkv
 from .chunk import chunk_terms, compose_chunks, run_chunks
-from .cost import CostParams
-from .exchange import StateExchange, build_state_exchange
+from .cost import CostParams, choose_protocol
+from .exchange import StateExchange, build_state_exchange, default_width
+from .merge import choose_backend
 
 __all__ = ["kda_context_parallel"]
 
@@ -48,6 +52,60 @@ def executor_for(
     return ex
 
 
+def _decision(fn: Any) -> Any:
+    """``fn()``, or the error it raises as a value: a rank whose local decision fails is
+    reported by the consistency check as disagreeing, instead of leaving its peers waiting."""
+    try:
+        return fn()
+    except (ValueError, RuntimeError) as exc:
+        return f"<error: {exc}>"
+
+
+def chosen_protocol(
+    mesh: Any, protocol: str, group_size: int | None, dims: tuple[int, ...], params: Any
+) -> Any:
+    """``(protocol, group_size)`` an exchange over ``mesh`` runs for summaries of
+    ``dims = (B, H, K, V)``: what ``"auto"`` resolves to, and the default group size."""
+    P = mesh.size()
+    if protocol == "auto":
+        dev = str(getattr(mesh, "device_type", "cpu"))
+        c = choose_protocol(P, *dims, device_type=dev, params=params)
+        return c.protocol, c.group_size
+    if protocol == "grouped":
+        return protocol, group_size or default_width(P)
+    return protocol, group_size
+
+
+def _check_consistent_call(
+    q: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    dims: tuple[int, int, int, int],
+    mesh: Any,
+    options: dict[str, Any],
+) -> None:
+    """Consistency mode: compare everything but the per-rank chunk length ``T_r``."""
+    if getattr(mesh, "ndim", None) != 1:
+        return  # rejected on every rank by build_state_exchange, before communicating
+    K, V = dims[2:]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
+    check_consistent(
+        mesh.get_group(0),
+        "kda_context_parallel",
+        dims_BHKV=dims,
+        dtypes={name: str(t.dtype) for name, t in tensors.items()},
+        device=q.device.type,
+        **options,
+        protocol_chosen=_decision(
+            lambda: chosen_protocol(
+                mesh, options["protocol"], options["group_size"], dims, options["cost_params"]
+            )
+        ),
+        merge_backend=_decision(lambda: choose_backend(q.device, K, V, options["backend"])[0]),
+        needs_grad=needs_grad,
+        cp_size=mesh.size(),
+    )
+
+
 class _ExchangeFn(torch.autograd.Function):
     """``(S_r, M_r) ↦ h_in(r)``; keeps only the rank's own ``M`` and ``h_in`` for backward.
     ``anchors`` (empty tensors, zero gradient) only tie the node into the autograd graph of a
@@ -57,7 +115,7 @@ class _ExchangeFn(torch.autograd.Function):
     def forward(
         ctx: Any, S: torch.Tensor, M: torch.Tensor, ex: StateExchange, *anchors: torch.Tensor
     ) -> torch.Tensor:
-        h_in = ex.forward(S, M)
+        h_in = ex.exchange_forward(S, M)
         ctx.ex = ex
         ctx.anchors = [(a.shape, a.dtype, a.device) for a in anchors]
         ctx.save_for_backward(M, h_in)
@@ -66,7 +124,7 @@ class _ExchangeFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         M, h_in = ctx.saved_tensors
-        g_out = ctx.ex.backward(grad.to(torch.float32).contiguous(), M)
+        g_out = ctx.ex.exchange_backward(grad.to(torch.float32).contiguous(), M)
         empty = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.anchors]
         return (g_out, g_out @ h_in.transpose(-1, -2), None, *empty)
 
@@ -101,6 +159,15 @@ def kda_context_parallel(
     output (the backward exchange is collective). State and summaries are fp32.
     ``protocol``/``group_size``/``cost_params`` configure :func:`build_state_exchange`;
     ``backend`` selects the fold backend. All checks run before any communication.
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
+    collective every rank of ``mesh`` compares ``(B, H, K, V)``, the dtypes of ``q, k, v, g,
+    beta``, the device type, ``protocol``, ``group_size``, the protocol ``"auto"`` chose (with
+    its group size), the fold (merge) backend chosen, ``scale``, ``chunk_size``,
+    ``output_final_state``, ``cost_params``, whether gradients will flow (the backward
+    exchange) and the mesh size. Not compared: the chunk length ``T_r`` (chunks may differ in
+    length, or be empty) and ``initial_state`` (read on the first rank only). Ranks that
+    disagree all raise ``InconsistentRanksError`` naming the field and the ranks.
     """
     B, T, H, K, V = check_qkv(q, k, v, g, beta, initial_state)
     check_chunk_size(chunk_size)
@@ -109,6 +176,14 @@ def kda_context_parallel(
     dev_type = str(getattr(mesh, "device_type", "cpu"))
     if q.device.type != dev_type:
         raise ValueError(f"inputs on {q.device} but the mesh is a {dev_type!r} mesh")
+    if consistency_enabled():
+        tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+        options = {
+            "protocol": protocol, "group_size": group_size, "backend": backend, "scale": scale,
+            "chunk_size": chunk_size, "output_final_state": output_final_state,
+            "cost_params": cost_params,
+        }  # fmt: skip
+        _check_consistent_call(q, tensors, (B, H, K, V), mesh, options)
     ex = executor_for(mesh, protocol, group_size, backend, cost_params)
     first = ex.position == 0
     last = ex.position == ex.world_size - 1

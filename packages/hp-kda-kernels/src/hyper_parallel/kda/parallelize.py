@@ -31,6 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
+
 from .exchange import PROTOCOLS
 from .halo import start_causal_conv_halo
 from .layer import executor_for, kda_context_parallel
@@ -112,6 +115,14 @@ def _cp_forward(
     _check_call(self, hidden_states, cache_params, attention_mask, kwargs)
     x = hidden_states
     B, T, _ = x.shape
+    if consistency_enabled():  # T is this rank's block length: blocks may differ
+        check_consistent(
+            state.mesh.get_group(0), f"parallelize_kda ({state.original_class.__name__}) forward",
+            hidden_states_B_D=(B, x.shape[-1]), dtype=str(x.dtype), device=x.device.type,
+            halo_width=self.conv_kernel_size - 1, protocol=state.protocol,
+            group_size=state.group_size, layer=_layer_signature(self), training=self.training,
+            grad_enabled=torch.is_grad_enabled(),
+        )  # fmt: skip
     heads = (B, T, self.num_heads, self.head_dim)
     mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
     pending = start_causal_conv_halo(mixed, self.conv_kernel_size, state.mesh, seq_dim=1)
@@ -134,6 +145,18 @@ def _cp_forward(
         protocol=state.protocol, group_size=state.group_size,
     )  # fmt: skip
     return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.num_heads * self.head_dim))
+
+
+def _layer_signature(module: Any) -> tuple[Any, ...]:
+    """The sizes and parameter dtype of a KDA layer (compared across ranks when checking)."""
+    return (
+        module.hidden_size,
+        module.num_heads,
+        module.head_dim,
+        module.conv_kernel_size,
+        module.activation,
+        str(module.q_proj.weight.dtype),
+    )
 
 
 _CLASSES: dict[type, type] = {}
@@ -214,8 +237,20 @@ def parallelize_kda(
     unknown protocol, bad ``group_size``, unsupported activation). At call time, on every
     rank: ``cache_params`` or ``attention_mask`` not None, packed sequences, or a malformed
     ``hidden_states`` raise ``ValueError``.
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the
+    executor is built, the ranks of ``cp_mesh`` compare ``protocol``, ``group_size``, the
+    layer's class, sizes and parameter dtype; each forward compares ``hidden_states``' batch
+    and feature sizes, dtype and device type (not its block length ``T_r``), the halo width
+    ``W − 1``, the protocol, training mode and whether autograd records, before the halo
+    exchange; the halo exchange and :func:`kda_context_parallel` then make their own checks.
     """
     state = _validate(module, cp_mesh, protocol, group_size)
+    if consistency_enabled():  # building the executor may create sub-meshes (collective)
+        check_consistent(
+            cp_mesh.get_group(0), "parallelize_kda", protocol=protocol, group_size=group_size,
+            module=type(module).__name__, layer=_layer_signature(module), cp_size=cp_mesh.size(),
+        )  # fmt: skip
     executor_for(cp_mesh, protocol, group_size, "auto", None)  # checks, then builds
     setattr(module, _STATE, state)
     module.__class__ = _cp_class(state.original_class)
