@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hyper_parallel.dtensor import DeviceMesh, all_gather_single
+from hyper_parallel.dtensor import DeviceMesh, all_gather_single, check_consistent
 from hyper_parallel.models.mesh import check_mesh, sequence_mesh
 
 __all__ = ["IGNORE_INDEX", "gather_sequence", "shard_batch"]
@@ -95,7 +95,9 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, seq_dim: int = 1) -> Tensor:
 
     ``x`` is this rank's block ``[..., S, ...]`` (``S`` at ``seq_dim``), the same shape on every
     rank; the result is ``[..., P·S, ...]``. For evaluation and checks (no autograd: the
-    result is detached)."""
+    result is detached). Consistency mode (``HP_CHECK_CONSISTENCY=1`` or
+    ``consistency_checks()``): the ranks first compare ``x`` (shape, dtype, device type) and
+    ``seq_dim``."""
     sm = sequence_mesh(mesh)
     if not -x.dim() <= seq_dim < x.dim():
         raise ValueError(f"seq_dim {seq_dim} out of range for a {x.dim()}-D tensor")
@@ -103,6 +105,7 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, seq_dim: int = 1) -> Tensor:
     x = x.detach()
     if sm.size == 1:
         return x.clone()
+    check_consistent(sm.flat.get_group(), "gather_sequence", x=x, seq_dim=seq_dim)
     send = x.movedim(seq_dim, 0).contiguous()
     out = send.new_empty((sm.size * send.shape[0], *send.shape[1:]))
     all_gather_single(out, send, group=sm.flat.get_group())

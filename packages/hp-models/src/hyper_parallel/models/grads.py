@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.models.mesh import SequenceMesh
 
 __all__ = ["sync_gradients"]
@@ -49,7 +51,9 @@ def sync_gradients(model: nn.Module) -> None:
     optimizer step, on every rank (a no-op under ``grad_reduction="fsdp"``, where FSDP2 has
     already reduced them; calling it keeps a training loop independent of the choice).
     ``RuntimeError`` if ``model`` was not parallelised by
-    :func:`~hyper_parallel.models.parallelize_model`."""
+    :func:`~hyper_parallel.models.parallelize_model`. Consistency mode
+    (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): the ranks first compare the
+    trainable parameters (local shapes, dtypes) and the reduction."""
     plan = getattr(model, "_hp_models_plan", None)
     if plan is None:
         raise RuntimeError("sync_gradients needs a model parallelised by parallelize_model")
@@ -57,6 +61,13 @@ def sync_gradients(model: nn.Module) -> None:
         return  # FSDP2 summed the gradients during backward (reduce-scatter, divide factor 1)
     sm: SequenceMesh = plan.mesh
     params = [p for p in model.parameters() if p.requires_grad]
+    if consistency_enabled() and sm.size > 1:
+        check_consistent(
+            sm.flat.get_group(),
+            "sync_gradients",
+            params=[_local(p) for p in params],
+            grad_reduction=plan.grad_reduction,
+        )
     if not params:
         return
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.models.batch import IGNORE_INDEX
 from hyper_parallel.models.mesh import SequenceMesh
 
@@ -72,6 +74,32 @@ def _check_call(args: tuple[Any, ...], kwargs: dict[str, Any], has_loss: bool) -
         )
 
 
+def _argument(value: Any) -> Any:
+    """What the consistency check compares of one keyword argument: a tensor (its shape, dtype
+    and device type, via ``check_consistent``), a plain value, or else its type's name (an
+    object's ``repr`` may hold its address)."""
+    if value is None or isinstance(value, (Tensor, bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
+def check_call_consistent(kwargs: dict[str, Any], sm: SequenceMesh, has_loss: bool) -> None:
+    """Consistency mode only: every rank of the flattened mesh compares the keyword arguments
+    of its call (``input_ids``, ``labels``/``shift_labels``, ``position_ids``, ...: tensors by
+    shape, dtype and device type), and whether autograd records, before the first collective
+    of the forward."""
+    if not consistency_enabled() or sm.size == 1:
+        return
+    fields = {f"arg_{k}": _argument(v) for k, v in kwargs.items()}
+    check_consistent(
+        sm.flat.get_group(),
+        "parallelized model forward",
+        **fields,
+        has_loss=has_loss,
+        grad_enabled=torch.is_grad_enabled(),
+    )
+
+
 def parallel_forward(
     original: Callable[..., Any], sm: SequenceMesh, has_loss: bool, mask_override: Any
 ) -> Callable[..., Any]:
@@ -79,6 +107,7 @@ def parallel_forward(
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         _check_call(args, kwargs, has_loss)
+        check_call_consistent(kwargs, sm, has_loss)
         kwargs["use_cache"] = False
         if mask_override is not None:
             kwargs["attention_mask"] = mask_override()

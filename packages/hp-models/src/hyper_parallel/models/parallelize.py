@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hyper_parallel.context_parallel import parallelize_mla
-from hyper_parallel.dtensor import DeviceMesh
+from hyper_parallel.dtensor import DeviceMesh, check_consistent
+from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.kda import parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
 from hyper_parallel.models.families import ModelFamily, family_of, role_of
@@ -149,10 +150,33 @@ def parallelize_model(
     (naming the supported classes) or option type; ``ValueError`` for a mesh without dims
     ``("cp", "tp")``, MLA heads not divisible by ``cp·tp`` or an unknown option;
     ``RuntimeError`` for a second call on the same model.
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the
+    sub-meshes are created, every process of the job (the default group: creating a process
+    group involves all of them) compares the model's class and family, the role of every block,
+    the parameter dtypes and count, the mesh's shape and dim names, and the options
+    (``mla_strategy``, ``overlap``, ``kda_protocol``, the resolved ``grad_reduction``); the
+    forward then compares its keyword arguments (tensors by shape, dtype and device type) over
+    the flattened mesh, and every layer makes its own checks.
     """
     fam, base, roles = _validate(model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction)
     if grad_reduction == "auto":
         grad_reduction = "fsdp" if fsdp_available() else "allreduce"
+    if consistency_enabled():  # sequence_mesh creates process groups (every process joins)
+        check_consistent(
+            None,
+            "parallelize_model",
+            model=type(model).__name__,
+            family=fam.name,
+            roles=sorted(roles.items()),
+            param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+            param_count=sum(1 for _ in model.parameters()),
+            mesh=(tuple(mesh.mesh.shape), mesh.mesh_dim_names),
+            mla_strategy=mla_strategy,
+            overlap=overlap,
+            kda_protocol=kda_protocol,
+            grad_reduction=grad_reduction,
+        )
     sm = sequence_mesh(mesh)
     for path, role in roles.items():
         block = base.get_submodule(path)

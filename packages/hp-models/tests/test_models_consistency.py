@@ -1,0 +1,85 @@
+"""Consistency mode (here through ``HP_CHECK_CONSISTENCY=1``): ranks that disagree on an
+option of ``parallelize_model``, the model's dtype or the length of their block raise the same
+InconsistentRanksError on every rank, naming the field and the ranks, instead of hanging;
+with the checks off the same model computes the same loss."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.dtensor import InconsistentRanksError, init_device_mesh, unflatten
+from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.models import parallelize_model, shard_batch
+from hyper_parallel.models.testing import random_batch, tiny_model
+
+
+def _caught(fn: Callable[[], Any]) -> tuple[str, str] | None:
+    try:
+        fn()
+    except InconsistentRanksError as exc:
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the group still works: nobody was left inside a collective
+        assert t.item() == dist.get_world_size()
+        return exc.field, str(exc)
+    return None
+
+
+def _cases() -> dict[str, Any]:
+    os.environ["HP_CHECK_CONSISTENCY"] = "1"
+    rank = dist.get_rank()
+    world = init_device_mesh("cpu", (2,), mesh_dim_names=("world",))
+    mesh = unflatten(world, "world", (1, 2), ("cp", "tp"))
+    res: dict[str, Any] = {}
+    res["strategy"] = _caught(
+        lambda: parallelize_model(
+            tiny_model("kimi"), mesh, mla_strategy="expanded" if rank else "latent"
+        )
+    )
+    res["protocol"] = _caught(
+        lambda: parallelize_model(tiny_model("kimi"), mesh, kda_protocol="p2p" if rank else "auto")
+    )
+    dt = torch.float32 if rank else torch.float64
+    res["dtype"] = _caught(lambda: parallelize_model(tiny_model("kimi", dtype=dt), mesh))
+    model = parallelize_model(tiny_model("kimi"), mesh, grad_reduction="allreduce")
+    local = shard_batch(random_batch(seq=16), mesh)
+    shorter = {k: v[:, : 8 - 2 * rank] for k, v in local.items()}
+    res["seq"] = _caught(lambda: model(**shorter))
+    with torch.no_grad():
+        res["loss_on"] = model(**local).loss.item()
+        os.environ.pop("HP_CHECK_CONSISTENCY")
+        res["loss_off"] = model(**local).loss.item()
+    return res
+
+
+# case -> (field named in the error, the call named in it)
+EXPECTED = {
+    "strategy": ("mla_strategy", "parallelize_model"),
+    "protocol": ("kda_protocol", "parallelize_model"),
+    "dtype": ("param_dtypes", "parallelize_model"),
+    "seq": ("arg_input_ids", "parallelized model forward"),
+}
+
+
+@pytest.mark.timeout(120)
+def test_disagreeing_ranks_raise_on_every_rank_and_consistent_calls_still_run():
+    results = run_distributed(_cases, 2, timeout=90)
+    for case, (field, what) in EXPECTED.items():
+        got = [r[case] for r in results]
+        assert got[0] is not None, f"{case}: no error"
+        assert got[0] == got[1], f"{case}: the ranks raised different errors {got}"
+        assert got[0][0] == field, (case, got[0])
+        msg = got[0][1]
+        assert msg.startswith(what) and f"disagree on {field!r}" in msg, (case, msg)
+        assert "ranks [0]: " in msg and "ranks [1]: " in msg, (case, msg)
+    assert "ranks [0]: 'latent'; ranks [1]: 'expanded'" in results[0]["strategy"][1]
+    assert "Tensor[2, 8]:int64" in results[0]["seq"][1]
+    assert "Tensor[2, 6]:int64" in results[0]["seq"][1]
+    for r in results:
+        assert r["loss_on"] == r["loss_off"] == results[0]["loss_on"]
+        assert 0 < r["loss_on"] < 10
