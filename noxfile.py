@@ -112,8 +112,11 @@ def integration(session: nox.Session) -> None:
     _install_packages(session, [MODELS])
     _install(session, "-r", str(ROOT / "tests" / "integration" / "requirements.txt"))
     _install(session, "-r", str(ROOT / "examples" / "requirements.txt"))  # test_main_job.py
+    # every layer's rank-consistency checks on (hyper_parallel.dtensor.check_consistent): ranks
+    # that disagree on a shape or a chosen option fail with a clear error instead of hanging
+    env = {**_env(), "HP_CHECK_CONSISTENCY": "1"}
     session.run(
-        "python", "-m", "pytest", str(ROOT / "tests" / "integration"), *session.posargs, env=_env()
+        "python", "-m", "pytest", str(ROOT / "tests" / "integration"), *session.posargs, env=env
     )
 
 
