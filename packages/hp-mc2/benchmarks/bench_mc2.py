@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import gc
+import statistics
 from typing import Any
 
 import torch
@@ -87,14 +89,23 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-_RUNS = 3  # CPU memory figures: minimum over this many runs (see _allocator_trace)
+_RUNS = 3  # CPU memory figures: median over this many runs (see _allocator_trace)
+
+
+def _settle() -> None:
+    """Let every rank's collectives and their staging buffers be released before a
+    measurement starts, so none is freed (or allocated) by gloo's threads inside it."""
+    if dist.is_initialized():
+        dist.barrier()
+    gc.collect()
 
 
 def _allocator_trace(fn: Any) -> tuple[int, int, Any]:
     """``(peak, live at the end, fn's result)`` in bytes allocated while ``fn`` runs on CPU,
     replaying the CPU allocator's alloc/free events (torch profiler, ``profile_memory``).
-    Only this thread's events are seen: a buffer gloo happens to free on its own thread looks
-    leaked, so both numbers can only be too high; callers take the minimum of a few runs."""
+    Only this thread's events are seen: a buffer gloo happens to free (or allocate) on its own
+    thread shifts the count, so callers take the median of a few runs."""
+    _settle()
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -112,7 +123,7 @@ def allocator_peak_bytes(fn: Any, device: torch.device) -> int:
     allocator's events on CPU, the device allocator's own peak on accelerators."""
     if device.type != "cpu":
         return peak_memory_bytes(fn, device)
-    return min(_allocator_trace(fn)[0] for _ in range(_RUNS))
+    return int(statistics.median(_allocator_trace(fn)[0] for _ in range(_RUNS)))
 
 
 class _MallInfo2(ctypes.Structure):
@@ -140,24 +151,28 @@ def _malloc_in_use() -> int | None:
 def held_bytes(forward: Any, device: torch.device) -> int:
     """Bytes a forward leaves allocated for its backward (saved activations + its output):
     what grows with the number of layers. ``forward()`` returns ``(output, backward)`` and
-    frees nothing the previous step left (gradients are dropped before it runs).
+    frees nothing the previous step left (its gradients stay allocated, as in training).
     Accelerators: the device allocator; CPU: glibc's in-use count before and after (exact
-    across threads), else the allocator trace."""
-    synchronize(device)
-    if device.type != "cpu":
-        module = getattr(torch, device.type)
-        before = module.memory_allocated()
-        _, backward = forward()
+    across threads), else the allocator trace; the median of a few runs on CPU."""
+    runs = []
+    for _ in range(_RUNS if device.type == "cpu" else 1):
+        _settle()
         synchronize(device)
-        held = module.memory_allocated() - before
-    elif _malloc_in_use() is not None:
-        before = _malloc_in_use() or 0
-        _, backward = forward()
-        held = (_malloc_in_use() or 0) - before
-    else:
-        _, held, (_, backward) = _allocator_trace(forward)
-    backward()
-    return int(held)
+        if device.type != "cpu":
+            module = getattr(torch, device.type)
+            before = module.memory_allocated()
+            _, backward = forward()
+            synchronize(device)
+            held = module.memory_allocated() - before
+        elif _malloc_in_use() is not None:
+            before = _malloc_in_use() or 0
+            _, backward = forward()
+            held = (_malloc_in_use() or 0) - before
+        else:
+            _, held, (_, backward) = _allocator_trace(forward)
+        backward()
+        runs.append(held)
+    return int(statistics.median(runs))
 
 
 def _measure(
