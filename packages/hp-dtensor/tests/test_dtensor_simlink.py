@@ -77,6 +77,14 @@ def _model_check() -> dict[str, float]:
         all_gather_single(out, x)
         res["compute2_s"] = _busy(LINK_S * 1.25)
         res["serial_s"] = time.perf_counter() - t0
+        dist.barrier()
+        # two launched together share the link: the second is carried after the first
+        t0 = time.perf_counter()
+        out2 = torch.empty_like(out)
+        works = [all_gather_single(o, x, async_op=True) for o in (out, out2)]
+        for w in works:
+            w.wait()
+        res["two_in_flight_s"] = time.perf_counter() - t0
     return res
 
 
@@ -91,6 +99,8 @@ def test_simulated_link_hides_under_compute_and_changes_no_result():
         assert r["overlapped_s"] - r["compute_s"] < 0.5 * LINK_S, r
         # blocking then compute: compute starts only after the whole link time
         assert r["serial_s"] >= r["compute2_s"] + LINK_S, r
+        # one link: two transfers in flight together take both transfer times, one latency
+        assert r["two_in_flight_s"] >= 2 * LINK_S - LATENCY, r
 
 
 def _bad_link() -> str:

@@ -11,6 +11,10 @@ the way a DMA engine on a real link would finish in the background:
   ``wait()`` sleeps only for what is left of the modeled time, so compute issued between launch
   and wait hides the link;
 - a blocking collective pays the whole modeled time before returning;
+- the link carries one transfer at a time: a collective launched while earlier ones are still
+  being transferred starts its ``bytes / bandwidth`` when they are done (first launched, first
+  carried; latencies overlap), so chunks in flight together share the bandwidth instead of
+  each getting all of it;
 - torch's functional collectives (what DTensor redistribution uses) are treated as blocking,
   which is what they are in eager mode when their result is used at once.
 
@@ -46,8 +50,17 @@ class LinkStats:
     slept_s: float = 0.0  # time added on top of the real collectives (not hidden by compute)
     by_op: dict[str, int] = field(default_factory=dict)
 
+    link_free_at: float = 0.0  # perf_counter time the link finishes its queued transfers
+
     def cost(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
+
+    def completion(self, launch: float, nbytes: int) -> float:
+        """Modeled completion of a transfer launched at ``launch``: it waits for the link to
+        finish the transfers launched before it, then ``bytes / bandwidth``, then latency."""
+        start = max(launch, self.link_free_at)
+        self.link_free_at = start + nbytes / self.bytes_per_s
+        return self.link_free_at + self.latency_s
 
 
 class _LinkWork:
@@ -150,7 +163,7 @@ def _wrap_c10d(name: str, original: Callable[..., Any], stats: LinkStats) -> Cal
         stats.bytes += nbytes
         stats.modeled_s += stats.cost(nbytes)
         stats.by_op[name] = stats.by_op.get(name, 0) + nbytes
-        deadline = launch + stats.cost(nbytes)
+        deadline = stats.completion(launch, nbytes)
         if always_async or kwargs.get("async_op", False):
             return _LinkWork(result, deadline, stats)
         _sleep_until(deadline, stats)
@@ -188,7 +201,7 @@ def _wrap_funcol(name: str, original: Callable[..., Any], stats: LinkStats) -> C
             stats.bytes += nbytes
             stats.modeled_s += stats.cost(nbytes)
             stats.by_op["funcol." + name] = stats.by_op.get("funcol." + name, 0) + nbytes
-            _sleep_until(launch + stats.cost(nbytes), stats)
+            _sleep_until(stats.completion(launch, nbytes), stats)
         return out
 
     return wrapped
