@@ -17,6 +17,14 @@ allocation and free on the calling thread, including those inside DTensor's disp
 gloo's staging copies); hp-dtensor's dispatch-level tracker is recorded beside it
 (``tracker_peak_*``), see the README for why the two differ.
 
+Under a modeled link (hp-dtensor's ``simulated_link``, a simulation: every collective
+completes no earlier than launch + latency + bytes / bandwidth, one transfer at a time, the
+wait sleeping for what compute has not hidden), records ``.../link/...``: ours at the chunk
+count ``default_chunks`` gives an accelerator for these shapes vs torch's blocking SP pair,
+with the link's bandwidth chosen so that the blocking pair's bytes per step take as long as
+its step without the link; ``hidden_fraction = (T_blocking - T_ours) / T_link``, ``T_link``
+the blocking pair's modeled link seconds per step.
+
     python packages/hp-mc2/benchmarks/bench_mc2.py --out bench-results/mc2.json [--quick]
     torchrun --nproc-per-node 2 packages/hp-mc2/benchmarks/bench_mc2.py --device cuda --out ...
 
@@ -192,6 +200,64 @@ def _measure(
     return out
 
 
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _link_records(
+    cases: dict[str, Any],
+    pairs: list[tuple[str, str, str]],
+    cfg: dict[str, Any],
+    device: torch.device,
+    **extra: Any,
+) -> list[dict[str, Any]]:
+    """Each pair (record name, ours, blocking baseline) under a modeled link whose bytes per
+    step take as long as the baseline's step without it (one link per baseline)."""
+    latency, records = cfg["link_latency"], []
+    for name, a, b in pairs:
+        t_plain = interleaved_timing({b: cases[b]}, repeats=cfg["repeats"], warmup=1)[b]
+        with simulated_link(0.0, 1e18) as count:
+            cases[b]()
+        nbytes = _max_over_ranks(count.bytes)
+        bandwidth = nbytes / t_plain
+        pair = {a: cases[a], b: cases[b]}
+        with simulated_link(latency, bandwidth):
+            times = interleaved_timing(pair, repeats=cfg["repeats"], warmup=1, device=device)
+        t_link = {}
+        for case, fn in pair.items():
+            with simulated_link(latency, bandwidth) as stats:
+                fn()
+            t_link[case] = _max_over_ranks(stats.modeled_s)
+        if dist.get_rank() == 0:
+            print(
+                f"link {name}: {b} step {t_plain * 1e3:.1f} ms without the link, "
+                f"{nbytes / 2**20:.2f} MiB/step -> bandwidth {bandwidth / 1e6:.1f} MB/s, "
+                f"latency {latency * 1e6:.0f} us"
+            )
+        records.append(
+            bench_record(
+                name,
+                times[a],
+                times[b],
+                device=device.type,
+                ours=a,
+                baseline=b,
+                simulated=True,
+                link_latency_s=latency,
+                link_bytes_per_s=bandwidth,
+                t_link_s=t_link[b],
+                t_link_ours_s=t_link[a],
+                t_compute_blocking_s=t_plain,
+                link_bytes_per_step=nbytes,
+                hidden_fraction=(times[b] - times[a]) / t_link[b],
+                **{"repeats": cfg["repeats"], **extra},
+            )
+        )
+    return records
+
+
 def _records(
     m: dict[str, Any], pairs: list[tuple[str, str, str]], device: torch.device, **shapes: Any
 ) -> list[dict[str, Any]]:
@@ -224,6 +290,7 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
     torch.manual_seed(0)
     base = GatedMLP(hidden, ffn).to(device=device, dtype=dtype)
     seq = 1
+    chunks = default_chunks(tokens // ws, hidden, ffn // ws, ws, "cuda")  # an accelerator's
 
     def build(styles: Any) -> nn.Module:
         return parallelize_module(copy.deepcopy(base), mesh, styles)
@@ -246,6 +313,9 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
 
     models = {
         "gated_ours": build(MC2GatedMLPParallel(sequence_dim=seq, backend="torch")),
+        "gated_ours_chunked": build(
+            MC2GatedMLPParallel(sequence_dim=seq, backend="torch", chunks=chunks)
+        ),
         "gated_torch_tp_sp": torch_sp(shared_gather=False),
         "gated_torch_shared_gather": torch_sp(shared_gather=True),
         "gated_mc2_separate": build(
@@ -271,8 +341,10 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
         y = model(x)
         return y, (lambda: y.backward(dy))
 
+    cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
+    link_case = cases.pop("gated_ours_chunked")
     m = _measure(
-        {name: (lambda m=m: step(m)) for name, m in models.items()},
+        cases,
         {name: (lambda m=m: forward(m)) for name, m in models.items()},
         cfg,
         device,
@@ -282,7 +354,13 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
         for b in ("gated_torch_tp_sp", "gated_torch_shared_gather", "gated_mc2_separate")
     ]
     shapes = {"tokens": tokens, "hidden": hidden, "ffn": ffn, "dtype": cfg["dtype"]}
-    return _records(m, pairs, device, repeats=cfg["repeats"], **shapes)
+    records = _records(m, pairs, device, repeats=cfg["repeats"], **shapes)
+    if cfg["link"]:
+        name = f"mc2_gated_mlp_fwd_bwd/link/gated_ours_chunks{chunks}_vs_torch_tp_sp"
+        cases["gated_ours_chunked"] = link_case
+        pair = [(name, "gated_ours_chunked", "gated_torch_tp_sp")]
+        records += _link_records(cases, pair, cfg, device, chunks=chunks, **shapes)
+    return records
 
 
 def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -342,8 +420,9 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         y = model(x)
         return y, (lambda: y.backward(dy))
 
+    cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
     m = _measure(
-        {name: (lambda m=m: step(m)) for name, m in models.items()},
+        cases,
         {name: (lambda m=m: forward(m)) for name, m in models.items()},
         cfg,
         device,
@@ -363,7 +442,27 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         ("mc2_mlp_fwd_bwd/ours_chunks4_vs_torch_tp_sp", "ours_chunks4", "torch_tp_sp"),
         ("mc2_mlp_fwd_bwd/ours_chunks4_vs_ours_chunks1", "ours_chunks4", "ours_chunks1"),
     ]
-    return records + _records(m, pairs, device, **shapes)
+    records += _records(m, pairs, device, **shapes)
+    if cfg["link"]:
+        chunks = default_chunks(tokens // ws, hidden, ffn // ws, ws, "cuda")  # an accelerator's
+        name = f"ours_chunks{chunks}"
+        if name not in cases:
+            cases[name] = _mlp_case(base, mesh, chunks, step)
+        pair = [(f"mc2_mlp_fwd_bwd/link/{name}_vs_torch_tp_sp", name, "torch_tp_sp")]
+        records += _link_records(cases, pair, cfg, device, chunks=chunks, **shapes)
+    return records
+
+
+def _mlp_case(base: nn.Module, mesh: Any, chunks: int, step: Any) -> Any:
+    model = parallelize_module(
+        copy.deepcopy(base),
+        mesh,
+        {
+            "up": MC2ColwiseParallel(1, backend="torch", chunks=chunks),
+            "down": MC2RowwiseParallel(1, backend="torch", chunks=chunks),
+        },
+    )
+    return lambda: step(model)
 
 
 def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
@@ -374,6 +473,8 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--ffn", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--block", default="both", choices=["mlp", "gated", "both"])
+    p.add_argument("--link-latency", type=float, default=20e-6, help="modeled link latency (s)")
+    p.add_argument("--no-link", action="store_true", help="skip the modeled-link comparisons")
     a = p.parse_args(argv)
     quick = (1024, 512, 2048, 3) if a.quick else (4096, 1024, 4096, 5)
     gated = (1024, 512, 1408) if a.quick else (4096, 1024, 2816)
@@ -389,6 +490,8 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "ffn": a.ffn or quick[2],
         "repeats": a.repeats or quick[3],
         "warmup": 1,
+        "link": not a.no_link,
+        "link_latency": a.link_latency,
     }
     return cfg, a.out
 
@@ -399,6 +502,14 @@ def main(argv: list[str] | None = None) -> None:
     if records is not None:  # rank 0 (or the launching process) reports
         write_records(out, records)
         for record in records:
+            if record.get("simulated"):
+                print(
+                    f"{summary_line(record)}  [modeled link: latency "
+                    f"{record['link_latency_s'] * 1e6:.0f} us, "
+                    f"{record['link_bytes_per_s'] / 1e6:.1f} MB/s, T_link "
+                    f"{record['t_link_s'] * 1e3:.1f} ms, hidden {record['hidden_fraction']:.2f}]"
+                )
+                continue
             print(
                 f"{summary_line(record)}  bytes/step "
                 f"{record['bytes_per_step_ours'] / 2**20:.1f} MiB vs "
