@@ -10,7 +10,8 @@ positions, computed once outside the timed step). ``--block mla|deepseek_v3`` ru
 
 Under a modeled link (``simulated_link``, a simulation: every collective completes no earlier
 than launch + latency + bytes / bandwidth, the wait sleeping for what compute has not hidden),
-records ``cp_mla_fwd_bwd/link/<strategy>_overlap_vs_blocking``: for each strategy the link's
+records ``cp_mla_fwd_bwd/link/<strategy>_overlap_vs_blocking`` (this package's block, at most
+2048 tokens so that the extra steps stay short): for each strategy the link's
 bandwidth is chosen so that the blocking path's bytes per step take as long as its step
 without the link, then both paths run interleaved under it; ``hidden_fraction`` is
 ``(T_blocking - T_overlapped) / T_link``, ``T_link`` the modeled link seconds per step.
@@ -147,7 +148,22 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
         records += _measure(cfg, block, cases, device, ws)
         if block == "mla" and cfg["link"]:
-            records += _measure_link(cfg, block, cases, device)
+            # its own (shorter) sequence: each link step runs the block up to twice as long
+            s_link = cfg["link_tokens"] // ws
+            xl = torch.randn(1, s_link, cfg["hidden"], generator=g).to(device=device, dtype=dtype)
+            dyl = torch.randn(1, s_link, cfg["hidden"], generator=g).to(device=device, dtype=dtype)
+            xl.requires_grad_()
+
+            def link_step(
+                model: torch.nn.Module, call: Any = call, xl: Any = xl, dyl: Any = dyl
+            ) -> None:
+                for p in model.parameters():
+                    p.grad = None
+                xl.grad = None
+                call(model, xl).backward(dyl)
+
+            link_cases = {name: (lambda m=m: link_step(m)) for name, m in models.items()}
+            records += _measure_link(cfg, block, link_cases, device)
     return records
 
 
@@ -167,13 +183,14 @@ def _measure_link(
     for strategy in ("expanded", "latent"):
         ours, base = f"{strategy}_overlap", f"{strategy}_blocking"
         pair = {ours: cases[ours], base: cases[base]}
-        t_plain = interleaved_timing({base: cases[base]}, repeats=cfg["repeats"], warmup=1)[base]
+        reps = cfg["link_repeats"]
+        t_plain = interleaved_timing({base: cases[base]}, repeats=reps, warmup=1)[base]
         with simulated_link(0.0, 1e18) as count:
             cases[base]()
         nbytes = _max_over_ranks(count.bytes)
         bandwidth = nbytes / t_plain
         with simulated_link(latency, bandwidth):
-            times = interleaved_timing(pair, repeats=cfg["repeats"], warmup=1, device=device)
+            times = interleaved_timing(pair, repeats=reps, warmup=1, device=device)
         t_link = {}
         for name, fn in pair.items():
             with simulated_link(latency, bandwidth) as stats:
@@ -202,8 +219,8 @@ def _measure_link(
                 t_compute_blocking_s=t_plain,
                 link_bytes_per_step=nbytes,
                 hidden_fraction=hidden,
-                repeats=cfg["repeats"],
-                tokens=cfg["tokens"],
+                repeats=cfg["link_repeats"],
+                tokens=cfg["link_tokens"],
                 hidden=cfg["hidden"],
                 heads=cfg["heads"],
                 kv_lora=cfg["kv_lora"],
@@ -296,6 +313,8 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "warmup": 1,
         "link": not a.no_link,
         "link_latency": a.link_latency,
+        "link_tokens": min(a.tokens or dims[0], 1024 if a.quick else 2048),
+        "link_repeats": a.repeats or (3 if a.quick else 5),
     }
     return cfg, a.out
 
