@@ -1,5 +1,5 @@
 """The ``npu`` backend through the torch_npu test double: same results as the ``torch``
-backend forward and backward, the exact kernel calls of the spec, every kernel constraint
+backend forward and backward, the exact kernel calls the README documents, every kernel constraint
 giving its clear error, ``auto`` falling back with the reason, and HCCL comm-name lookup."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The two duals as autograd functions on local 2-D tensors.
 
-Notation (spec-mc2): ``W`` in ``nn.Linear`` layout ``(out, in)``, ``ws`` the group size;
+Notation (README, "Design"): ``W`` in ``nn.Linear`` layout ``(out, in)``, ``ws`` the group size;
 gathers concatenate in group-rank order along dim 0.
 
 - ``all_gather_matmul`` (column parallel): forward ``Y = AllGather_m(x) @ Wᵀ + b``;
