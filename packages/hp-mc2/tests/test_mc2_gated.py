@@ -211,6 +211,14 @@ def _npu_double(mesh: Any, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
+def _deepcopy_runs(mesh: Any) -> list[float]:
+    """A deep copy of a parallelized module (a reference model, EMA) computes the same."""
+    par = parallelize_module(_hf_mlp("llama_bias", 4 * mesh.size()), mesh, MC2GatedMLPParallel())
+    twin = copy.deepcopy(par)
+    x = _seeded(5, 2, 3, D)
+    return [_rel(twin(x), par(x)), float(twin.gate_proj.weight is par.gate_proj.weight)]
+
+
 def _twice_backward(mesh: Any) -> str:
     par = parallelize_module(_hf_mlp("llama", 4 * mesh.size()), mesh, MC2GatedMLPParallel())
     y = par(_seeded(4, 1, 2, D).requires_grad_())
@@ -244,6 +252,7 @@ def _two_ranks() -> dict[str, Any]:
     res["saved"] = _saved_shapes(mesh)
     res["npu"] = {str(dt): _npu_double(mesh, dt) for dt in (BF16, torch.float16)}
     res["twice"] = _twice_backward(mesh)
+    res["deepcopy"] = _deepcopy_runs(mesh)
     return res
 
 
@@ -365,3 +374,9 @@ def test_npu_path_through_kernel_double_equals_torch_backend(two_ranks):
 def test_second_backward_through_the_same_graph_is_a_clear_error(two_ranks):
     for res in two_ranks:
         assert "retain_graph=True is not supported" in res["twice"]
+
+
+@pytest.mark.timeout(300)
+def test_deep_copy_of_a_parallelized_module_computes_the_same(two_ranks):
+    for res in two_ranks:
+        assert res["deepcopy"] == [0.0, 0.0]

@@ -45,6 +45,11 @@ class _GatedPlan:
     chunks: int | None
     group: Any
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # Immutable, and the process group is a communicator handle that cannot be copied: a
+        # deep copy of a parallelized module runs on the same group.
+        return self
+
 
 def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t

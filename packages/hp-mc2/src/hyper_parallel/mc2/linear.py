@@ -35,6 +35,11 @@ class MC2Parallel:
     #: when set, outputs are wrapped as DTensors on this 1-D mesh (``use_local_output=False``)
     output_mesh: Any = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # Immutable, and the process group is a communicator handle that cannot be copied: a
+        # deep copy of a parallelized module runs on the same group.
+        return self
+
     def __post_init__(self) -> None:
         if self.mode not in ("column", "row"):
             raise ValueError(f"mode must be 'column' or 'row', got {self.mode!r}")
