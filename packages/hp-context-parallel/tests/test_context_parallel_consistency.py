@@ -17,7 +17,12 @@ from _cp_hf import call as call_hf
 from _cp_hf import inputs as inputs_hf
 from _cp_testutil import build, cp_mesh, inputs
 
-from hyper_parallel.context_parallel import parallelize_mla, shard_sequence, ulysses_seq_to_head
+from hyper_parallel.context_parallel import (
+    hybrid_attention,
+    parallelize_mla,
+    shard_sequence,
+    ulysses_seq_to_head,
+)
 from hyper_parallel.dtensor import InconsistentRanksError, consistency_checks
 
 
@@ -104,3 +109,29 @@ def test_disagreeing_ranks_raise_on_every_rank_and_consistent_calls_still_run():
     for r in results:
         assert r["consistent"] == (2, 8, 24)
         assert r["off_err"] < 1e-10
+
+
+def _hybrid_case() -> tuple[str, str] | None:
+    rank = dist.get_rank()
+    mesh = cp_mesh()
+    s = 2 if rank != 3 else 3  # rank 3 holds a longer block
+    q = torch.zeros(1, s, 4, 3)
+
+    def attn(q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    with consistency_checks():
+        return _caught(lambda: hybrid_attention(attn, q, q, q, mesh, 2))
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_attention_ranks_that_disagree_raise_on_every_rank():
+    from hyper_parallel.dtensor.testing import run_distributed
+
+    os.environ.pop("HP_CHECK_CONSISTENCY", None)
+    results = run_distributed(_hybrid_case, 4, timeout=90)
+    assert all(r == results[0] for r in results), results
+    field, msg = results[0]
+    assert field == "k", msg  # q, k and v all differ: the first in name order is reported
+    assert msg.startswith("hybrid_attention") and "ranks [0, 1, 2]: Tensor[1, 2, 4, 3]" in msg
+    assert "ranks [3]: Tensor[1, 3, 4, 3]" in msg

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hyper_parallel.dtensor import InconsistentRanksError, init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
-from hyper_parallel.models import parallelize_model, shard_batch
+from hyper_parallel.models import gather_sequence, parallelize_model, shard_batch
 from hyper_parallel.models.testing import random_batch, tiny_model
 
 
@@ -50,6 +50,7 @@ def _cases() -> dict[str, Any]:
     local = shard_batch(random_batch(seq=16), mesh)
     shorter = {k: v[:, : 8 - 2 * rank] for k, v in local.items()}
     res["seq"] = _caught(lambda: model(**shorter))
+    res["gather"] = _caught(lambda: gather_sequence(shorter["input_ids"], mesh))
     with torch.no_grad():
         res["loss_on"] = model(**local).loss.item()
         os.environ.pop("HP_CHECK_CONSISTENCY")
@@ -63,6 +64,7 @@ EXPECTED = {
     "protocol": ("kda_protocol", "parallelize_model"),
     "dtype": ("param_dtypes", "parallelize_model"),
     "seq": ("arg_input_ids", "parallelized model forward"),
+    "gather": ("x", "gather_sequence"),
 }
 
 
