@@ -12,8 +12,9 @@ Under a modeled link (``simulated_link``, a simulation: every collective complet
 than launch + latency + bytes / bandwidth, the wait sleeping for what compute has not hidden),
 records ``cp_mla_fwd_bwd/link/<strategy>_overlap_vs_blocking`` (this package's block, at most
 2048 tokens so that the extra steps stay short): for each strategy the link's
-bandwidth is chosen so that the blocking path's bytes per step take as long as its step
-without the link, then both paths run interleaved under it; ``hidden_fraction`` is
+bandwidth is chosen so that the blocking path's bytes per step take as long as its compute
+(its step without the link, less gloo's real transfers), then both paths run interleaved
+under it; ``hidden_fraction`` is
 ``(T_blocking - T_overlapped) / T_link``, ``T_link`` the modeled link seconds per step.
 
     python packages/hp-context-parallel/benchmarks/bench_context_parallel.py \\
@@ -173,6 +174,23 @@ def _max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
+def _calibrate(fn: Any, repeats: int) -> tuple[float, float, float, float]:
+    """``(bytes_per_s, t_step, t_compute, bytes)`` of a blocking step ``fn``: its time without
+    a link, its bytes per step, and its compute alone, so that the link's bytes per step take
+    as long as that compute. On a CPU the plain step also contains gloo's real transfers, so
+    the compute is the step under a zero-latency link of ``bytes / t_step`` minus that link's
+    time (every blocking collective then completes at its modeled time, which covers its real
+    one)."""
+    t_step = interleaved_timing({"b": fn}, repeats=repeats, warmup=1)["b"]
+    with simulated_link(0.0, 1e18) as count:
+        fn()
+    nbytes = _max_over_ranks(count.bytes)
+    with simulated_link(0.0, nbytes / t_step):
+        t_linked = interleaved_timing({"b": fn}, repeats=max(2, repeats // 2), warmup=0)["b"]
+    t_compute = max(t_linked - t_step, 0.25 * t_step)
+    return nbytes / t_compute, t_step, t_compute, nbytes
+
+
 def _measure_link(
     cfg: dict[str, Any], block: str, cases: dict[str, Any], device: torch.device
 ) -> list[dict[str, Any]]:
@@ -184,11 +202,7 @@ def _measure_link(
         ours, base = f"{strategy}_overlap", f"{strategy}_blocking"
         pair = {ours: cases[ours], base: cases[base]}
         reps = cfg["link_repeats"]
-        t_plain = interleaved_timing({base: cases[base]}, repeats=reps, warmup=1)[base]
-        with simulated_link(0.0, 1e18) as count:
-            cases[base]()
-        nbytes = _max_over_ranks(count.bytes)
-        bandwidth = nbytes / t_plain
+        bandwidth, t_plain, t_compute, nbytes = _calibrate(cases[base], reps)
         with simulated_link(latency, bandwidth):
             times = interleaved_timing(pair, repeats=reps, warmup=1, device=device)
         t_link = {}
@@ -200,7 +214,7 @@ def _measure_link(
         if dist.get_rank() == 0:
             print(
                 f"link {strategy}: blocking step {t_plain * 1e3:.1f} ms without the link, "
-                f"{nbytes / 2**20:.2f} MiB/step in {count.collectives} collectives -> "
+                f"compute {t_compute * 1e3:.1f} ms, {nbytes / 2**20:.2f} MiB/step -> "
                 f"bandwidth {bandwidth / 1e6:.1f} MB/s, latency {latency * 1e6:.0f} us"
             )
         records.append(
@@ -216,7 +230,8 @@ def _measure_link(
                 link_bytes_per_s=bandwidth,
                 t_link_s=t_link[base],
                 t_link_ours_s=t_link[ours],
-                t_compute_blocking_s=t_plain,
+                t_step_blocking_s=t_plain,
+                t_compute_blocking_s=t_compute,
                 link_bytes_per_step=nbytes,
                 hidden_fraction=hidden,
                 repeats=cfg["link_repeats"],

@@ -20,10 +20,11 @@ gloo's staging copies); hp-dtensor's dispatch-level tracker is recorded beside i
 Under a modeled link (hp-dtensor's ``simulated_link``, a simulation: every collective
 completes no earlier than launch + latency + bytes / bandwidth, one transfer at a time, the
 wait sleeping for what compute has not hidden), records ``.../link/...``: ours at the chunk
-count ``default_chunks`` gives an accelerator for these shapes vs torch's blocking SP pair,
-with the link's bandwidth chosen so that the blocking pair's bytes per step take as long as
-its step without the link; ``hidden_fraction = (T_blocking - T_ours) / T_link``, ``T_link``
-the blocking pair's modeled link seconds per step.
+count ``default_chunks`` gives an accelerator for these shapes, and at 8 chunks, vs torch's
+blocking SP pair (interleaved in one run), with the link's bandwidth chosen so that the
+blocking pair's bytes per step take as long as its compute (its step without the link, less
+gloo's real transfers); ``hidden_fraction = (T_blocking - T_ours) / T_link``, ``T_link`` the
+blocking pair's modeled link seconds per step.
 
     python packages/hp-mc2/benchmarks/bench_mc2.py --out bench-results/mc2.json [--quick]
     torchrun --nproc-per-node 2 packages/hp-mc2/benchmarks/bench_mc2.py --device cuda --out ...
@@ -206,56 +207,71 @@ def _max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
+def _calibrate(fn: Any, repeats: int) -> tuple[float, float, float, float]:
+    """``(bytes_per_s, t_step, t_compute, bytes)`` of a blocking step ``fn``: its time without
+    a link, its bytes per step, and its compute alone, so that the link's bytes per step take
+    as long as that compute. On a CPU the plain step also contains gloo's real transfers, so
+    the compute is the step under a zero-latency link of ``bytes / t_step`` minus that link's
+    time (every blocking collective then completes at its modeled time, which covers its real
+    one)."""
+    t_step = interleaved_timing({"b": fn}, repeats=repeats, warmup=1)["b"]
+    with simulated_link(0.0, 1e18) as count:
+        fn()
+    nbytes = _max_over_ranks(count.bytes)
+    with simulated_link(0.0, nbytes / t_step):
+        t_linked = interleaved_timing({"b": fn}, repeats=max(2, repeats // 2), warmup=0)["b"]
+    t_compute = max(t_linked - t_step, 0.25 * t_step)
+    return nbytes / t_compute, t_step, t_compute, nbytes
+
+
 def _link_records(
     cases: dict[str, Any],
-    pairs: list[tuple[str, str, str]],
+    ours: dict[str, str],
+    baseline: str,
     cfg: dict[str, Any],
     device: torch.device,
     **extra: Any,
 ) -> list[dict[str, Any]]:
-    """Each pair (record name, ours, blocking baseline) under a modeled link whose bytes per
-    step take as long as the baseline's step without it (one link per baseline)."""
-    latency, records = cfg["link_latency"], []
-    for name, a, b in pairs:
-        t_plain = interleaved_timing({b: cases[b]}, repeats=cfg["repeats"], warmup=1)[b]
-        with simulated_link(0.0, 1e18) as count:
-            cases[b]()
-        nbytes = _max_over_ranks(count.bytes)
-        bandwidth = nbytes / t_plain
-        pair = {a: cases[a], b: cases[b]}
-        with simulated_link(latency, bandwidth):
-            times = interleaved_timing(pair, repeats=cfg["repeats"], warmup=1, device=device)
-        t_link = {}
-        for case, fn in pair.items():
-            with simulated_link(latency, bandwidth) as stats:
-                fn()
-            t_link[case] = _max_over_ranks(stats.modeled_s)
-        if dist.get_rank() == 0:
-            print(
-                f"link {name}: {b} step {t_plain * 1e3:.1f} ms without the link, "
-                f"{nbytes / 2**20:.2f} MiB/step -> bandwidth {bandwidth / 1e6:.1f} MB/s, "
-                f"latency {latency * 1e6:.0f} us"
-            )
-        records.append(
-            bench_record(
-                name,
-                times[a],
-                times[b],
-                device=device.type,
-                ours=a,
-                baseline=b,
-                simulated=True,
-                link_latency_s=latency,
-                link_bytes_per_s=bandwidth,
-                t_link_s=t_link[b],
-                t_link_ours_s=t_link[a],
-                t_compute_blocking_s=t_plain,
-                link_bytes_per_step=nbytes,
-                hidden_fraction=(times[b] - times[a]) / t_link[b],
-                **{"repeats": cfg["repeats"], **extra},
-            )
+    """Each of ``ours`` (record name -> case) vs the blocking ``baseline``, interleaved under
+    one modeled link whose bytes per step take as long as the baseline's step without it."""
+    latency, b = cfg["link_latency"], baseline
+    bandwidth, t_plain, t_compute, nbytes = _calibrate(cases[b], cfg["repeats"])
+    run = {b: cases[b], **{a: cases[a] for a in ours.values()}}
+    with simulated_link(latency, bandwidth):
+        times = interleaved_timing(run, repeats=cfg["repeats"], warmup=1, device=device)
+    t_link = {}
+    for case, fn in run.items():
+        with simulated_link(latency, bandwidth) as stats:
+            fn()
+        t_link[case] = _max_over_ranks(stats.modeled_s)
+    if dist.get_rank() == 0:
+        print(
+            f"link for {b}: step {t_plain * 1e3:.1f} ms without the link, compute "
+            f"{t_compute * 1e3:.1f} ms, "
+            f"{nbytes / 2**20:.2f} MiB/step -> bandwidth {bandwidth / 1e6:.1f} MB/s, "
+            f"latency {latency * 1e6:.0f} us"
         )
-    return records
+    return [
+        bench_record(
+            name,
+            times[a],
+            times[b],
+            device=device.type,
+            ours=a,
+            baseline=b,
+            simulated=True,
+            link_latency_s=latency,
+            link_bytes_per_s=bandwidth,
+            t_link_s=t_link[b],
+            t_link_ours_s=t_link[a],
+            t_step_blocking_s=t_plain,
+            t_compute_blocking_s=t_compute,
+            link_bytes_per_step=nbytes,
+            hidden_fraction=(times[b] - times[a]) / t_link[b],
+            **{"repeats": cfg["repeats"], **extra},
+        )
+        for name, a in ours.items()
+    ]
 
 
 def _records(
@@ -291,6 +307,7 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
     base = GatedMLP(hidden, ffn).to(device=device, dtype=dtype)
     seq = 1
     chunks = default_chunks(tokens // ws, hidden, ffn // ws, ws, "cuda")  # an accelerator's
+    link_chunks = sorted({chunks, 8})
 
     def build(styles: Any) -> nn.Module:
         return parallelize_module(copy.deepcopy(base), mesh, styles)
@@ -313,9 +330,12 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
 
     models = {
         "gated_ours": build(MC2GatedMLPParallel(sequence_dim=seq, backend="torch")),
-        "gated_ours_chunked": build(
-            MC2GatedMLPParallel(sequence_dim=seq, backend="torch", chunks=chunks)
-        ),
+        **{
+            f"gated_ours_chunks{c}": build(
+                MC2GatedMLPParallel(sequence_dim=seq, backend="torch", chunks=c)
+            )
+            for c in link_chunks
+        },
         "gated_torch_tp_sp": torch_sp(shared_gather=False),
         "gated_torch_shared_gather": torch_sp(shared_gather=True),
         "gated_mc2_separate": build(
@@ -342,7 +362,7 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
         return y, (lambda: y.backward(dy))
 
     cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
-    link_case = cases.pop("gated_ours_chunked")
+    link_cases = {f"gated_ours_chunks{c}": cases.pop(f"gated_ours_chunks{c}") for c in link_chunks}
     m = _measure(
         cases,
         {name: (lambda m=m: forward(m)) for name, m in models.items()},
@@ -356,10 +376,11 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
     shapes = {"tokens": tokens, "hidden": hidden, "ffn": ffn, "dtype": cfg["dtype"]}
     records = _records(m, pairs, device, repeats=cfg["repeats"], **shapes)
     if cfg["link"]:
-        name = f"mc2_gated_mlp_fwd_bwd/link/gated_ours_chunks{chunks}_vs_torch_tp_sp"
-        cases["gated_ours_chunked"] = link_case
-        pair = [(name, "gated_ours_chunked", "gated_torch_tp_sp")]
-        records += _link_records(cases, pair, cfg, device, chunks=chunks, **shapes)
+        cases.update(link_cases)
+        ours = {f"mc2_gated_mlp_fwd_bwd/link/{n}_vs_torch_tp_sp": n for n in link_cases}
+        records += _link_records(
+            cases, ours, "gated_torch_tp_sp", cfg, device, default_chunks_accel=chunks, **shapes
+        )
     return records
 
 
@@ -445,11 +466,15 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     records += _records(m, pairs, device, **shapes)
     if cfg["link"]:
         chunks = default_chunks(tokens // ws, hidden, ffn // ws, ws, "cuda")  # an accelerator's
-        name = f"ours_chunks{chunks}"
-        if name not in cases:
-            cases[name] = _mlp_case(base, mesh, chunks, step)
-        pair = [(f"mc2_mlp_fwd_bwd/link/{name}_vs_torch_tp_sp", name, "torch_tp_sp")]
-        records += _link_records(cases, pair, cfg, device, chunks=chunks, **shapes)
+        ours = {}
+        for c in sorted({chunks, 8}):
+            name = f"ours_chunks{c}"
+            if name not in cases:
+                cases[name] = _mlp_case(base, mesh, c, step)
+            ours[f"mc2_mlp_fwd_bwd/link/{name}_vs_torch_tp_sp"] = name
+        records += _link_records(
+            cases, ours, "torch_tp_sp", cfg, device, default_chunks_accel=chunks, **shapes
+        )
     return records
 
 
