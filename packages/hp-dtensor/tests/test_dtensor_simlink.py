@@ -103,6 +103,27 @@ def test_simulated_link_hides_under_compute_and_changes_no_result():
         assert r["two_in_flight_s"] >= 2 * LINK_S - LATENCY, r
 
 
+def _late_sender() -> float:
+    """Rank 0 sends 0.2 s late; rank 1's blocking receive (launched at once) returns after
+    the send plus the modeled time, not after the modeled time alone."""
+    x = torch.ones(1000)
+    dist.barrier()
+    with simulated_link(0.3, 1e12):
+        t0 = time.perf_counter()
+        if dist.get_rank() == 0:
+            time.sleep(0.2)
+            dist.send(x, 1)
+        else:
+            dist.recv(x, 0)
+        return time.perf_counter() - t0
+
+
+@pytest.mark.timeout(60)
+def test_a_blocking_receive_pays_the_link_after_the_send():
+    sender, receiver = run_distributed(_late_sender, 2, timeout=50)
+    assert sender >= 0.5 and receiver >= 0.5, (sender, receiver)
+
+
 def _bad_link() -> str:
     try:
         with simulated_link(0.0, 0.0):

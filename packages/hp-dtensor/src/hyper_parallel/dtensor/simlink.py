@@ -10,7 +10,9 @@ the way a DMA engine on a real link would finish in the background:
 - an async collective (``async_op=True``, ``isend``/``irecv``) returns a handle whose
   ``wait()`` sleeps only for what is left of the modeled time, so compute issued between launch
   and wait hides the link;
-- a blocking collective pays the whole modeled time before returning;
+- a blocking collective pays the whole modeled time before returning; a blocking ``recv``
+  pays it from when the real receive returned (about when the sender launched its send), so a
+  chain of hops costs one modeled time per hop;
 - the link carries one transfer at a time: a collective launched while earlier ones are still
   being transferred starts its ``bytes / bandwidth`` when they are done (first launched, first
   carried; latencies overlap), so chunks in flight together share the bandwidth instead of
@@ -166,6 +168,8 @@ def _wrap_c10d(name: str, original: Callable[..., Any], stats: LinkStats) -> Cal
         deadline = stats.completion(launch, nbytes)
         if always_async or kwargs.get("async_op", False):
             return _LinkWork(result, deadline, stats)
+        if name == "recv":  # the data left the sender when the real receive returned
+            deadline = max(deadline, time.perf_counter() + stats.cost(nbytes))
         _sleep_until(deadline, stats)
         return result
 
