@@ -180,7 +180,12 @@ def _funcol_group_size(group: Any) -> int:
     if isinstance(group, tuple):  # (DeviceMesh, mesh dim)
         return int(group[0].size(group[1]))
     try:
-        return dist.get_world_size(funcol._resolve_group(group))  # type: ignore[attr-defined]
+        resolved: Any = funcol._resolve_group(group)  # type: ignore[attr-defined]
+        if isinstance(resolved, str):  # a group name
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            resolved = _resolve_process_group(resolved)
+        return dist.get_world_size(resolved)
     except Exception:  # a rank list or a tag: count it
         return len(group) if isinstance(group, (list, tuple)) else dist.get_world_size()
 
