@@ -184,7 +184,7 @@ def _funcol_group_size(group: Any) -> int:
         if isinstance(resolved, str):  # a group name
             from torch.distributed.distributed_c10d import _resolve_process_group
 
-            resolved = _resolve_process_group(resolved)
+            resolved = _resolve_process_group(resolved)  # type: ignore[arg-type]
         return dist.get_world_size(resolved)
     except Exception:  # a rank list or a tag: count it
         return len(group) if isinstance(group, (list, tuple)) else dist.get_world_size()
