@@ -203,7 +203,7 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     a = p.parse_args(argv)
-    seq, hidden, repeats = (512, 128, 2) if a.quick else (4096, 512, 3)
+    seq, hidden, repeats = (512, 128, 2) if a.quick else (2048, 256, 3)
     cfg = {
         "device": a.device,
         "seq": a.seq or seq,
