@@ -82,7 +82,9 @@ def test_auto_backend_on_cpu_is_torch_and_never_imports_triton() -> None:
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
@@ -101,7 +103,7 @@ def test_without_triton_installed_the_torch_backend_serves() -> None:
         "    assert 'not installed' in str(exc)\n"
         "    print('ok')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 

@@ -144,7 +144,9 @@ def test_stock_kimi_layer_runs_on_its_pytorch_path_although_fla_is_installed() -
     )
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
         "['chunk_kimi_delta_attention', 'recurrent_kimi_delta_attention']",
