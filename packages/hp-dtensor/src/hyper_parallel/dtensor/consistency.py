@@ -3,7 +3,7 @@
 A collective given different shapes on different ranks hangs (gloo) or silently mixes data
 (NCCL, HCCL). With the check on, each layer's entry point calls :func:`check_consistent` with
 a small signature of its call (shapes, dtypes, the chosen backend, chunk count or protocol);
-one ``all_gather_object`` compares them, and every rank raises the same
+two small all-gathers (lengths, then the JSON bytes) compare them, and every rank raises the same
 :class:`InconsistentRanksError` naming the field and which ranks hold which value.
 
 Off by default (it costs one small collective per call). Turn it on for a whole process with
@@ -13,6 +13,7 @@ Off by default (it costs one small collective per call). Turn it on for a whole 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -73,6 +74,36 @@ def signature(value: Any) -> str:
     return repr(value)
 
 
+def _device_of(group: Any) -> torch.device:
+    """Where this group's collectives take their tensors (CPU for gloo, the current card for
+    NCCL/HCCL)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_object_coll_device
+
+        return torch.device(_get_object_coll_device(group))
+    except Exception:  # older torch: gloo groups are the ones without a device of their own
+        return torch.device("cpu")
+
+
+def _gather_signatures(mine: dict[str, str], group: Any, size: int) -> list[dict[str, str]]:
+    """Every rank's signature, in group-rank order: JSON bytes in a padded uint8 tensor (torch's
+    ``all_gather_object`` needs NumPy, which hp-dtensor does not depend on)."""
+    device = _device_of(group)
+    payload = torch.tensor(list(json.dumps(mine).encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(size)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    blobs = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(blobs, padded, group=group)
+    return [
+        json.loads(bytes(blob[: int(n.item())].tolist()).decode())
+        for blob, n in zip(blobs, lengths)
+    ]
+
+
 def check_consistent(group: Any, what: str, **fields: Any) -> None:
     """With the checks on: every rank of ``group`` must pass equal :func:`signature` s for each
     field, else every rank raises :class:`InconsistentRanksError` (``what`` names the call, e.g.
@@ -83,8 +114,7 @@ def check_consistent(group: Any, what: str, **fields: Any) -> None:
     size = dist.get_world_size(group)
     if size == 1:
         return
-    every: list[Any] = [None] * size
-    dist.all_gather_object(every, mine, group=group)
+    every = _gather_signatures(mine, group, size)
     names = sorted({name for sig in every for name in sig}, key=lambda n: (n not in mine, n))
     for name in names:
         values: dict[str, list[int]] = {}
