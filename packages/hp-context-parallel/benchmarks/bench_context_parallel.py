@@ -44,7 +44,9 @@ from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
     bench_arguments,
     bench_record,
+    calibrate_link,
     interleaved_timing,
+    max_over_ranks,
     peak_memory_bytes,
     run_ranks,
     simulated_link,
@@ -168,29 +170,6 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return records
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _calibrate(fn: Any, repeats: int) -> tuple[float, float, float, float]:
-    """``(bytes_per_s, t_step, t_compute, bytes)`` of a blocking step ``fn``: its time without
-    a link, its bytes per step, and its compute alone, so that the link's bytes per step take
-    as long as that compute. On a CPU the plain step also contains gloo's real transfers, so
-    the compute is the step under a zero-latency link of ``bytes / t_step`` minus that link's
-    time (every blocking collective then completes at its modeled time, which covers its real
-    one)."""
-    t_step = interleaved_timing({"b": fn}, repeats=repeats, warmup=1)["b"]
-    with simulated_link(0.0, 1e18) as count:
-        fn()
-    nbytes = _max_over_ranks(count.bytes)
-    with simulated_link(0.0, nbytes / t_step):
-        t_linked = interleaved_timing({"b": fn}, repeats=max(2, repeats // 2), warmup=0)["b"]
-    t_compute = max(t_linked - t_step, 0.25 * t_step)
-    return nbytes / t_compute, t_step, t_compute, nbytes
-
-
 def _measure_link(
     cfg: dict[str, Any], block: str, cases: dict[str, Any], device: torch.device
 ) -> list[dict[str, Any]]:
@@ -202,14 +181,14 @@ def _measure_link(
         ours, base = f"{strategy}_overlap", f"{strategy}_blocking"
         pair = {ours: cases[ours], base: cases[base]}
         reps = cfg["link_repeats"]
-        bandwidth, t_plain, t_compute, nbytes = _calibrate(cases[base], reps)
+        bandwidth, t_plain, t_compute, nbytes = calibrate_link(cases[base], reps)
         with simulated_link(latency, bandwidth):
             times = interleaved_timing(pair, repeats=reps, warmup=1, device=device)
         t_link = {}
         for name, fn in pair.items():
             with simulated_link(latency, bandwidth) as stats:
                 fn()
-            t_link[name] = _max_over_ranks(stats.modeled_s)
+            t_link[name] = max_over_ranks(stats.modeled_s)
         hidden = (times[base] - times[ours]) / t_link[base]
         if dist.get_rank() == 0:
             print(

@@ -56,7 +56,9 @@ from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
     bench_arguments,
     bench_record,
+    calibrate_link,
     interleaved_timing,
+    max_over_ranks,
     peak_memory_bytes,
     run_ranks,
     simulated_link,
@@ -201,29 +203,6 @@ def _measure(
     return out
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _calibrate(fn: Any, repeats: int) -> tuple[float, float, float, float]:
-    """``(bytes_per_s, t_step, t_compute, bytes)`` of a blocking step ``fn``: its time without
-    a link, its bytes per step, and its compute alone, so that the link's bytes per step take
-    as long as that compute. On a CPU the plain step also contains gloo's real transfers, so
-    the compute is the step under a zero-latency link of ``bytes / t_step`` minus that link's
-    time (every blocking collective then completes at its modeled time, which covers its real
-    one)."""
-    t_step = interleaved_timing({"b": fn}, repeats=repeats, warmup=1)["b"]
-    with simulated_link(0.0, 1e18) as count:
-        fn()
-    nbytes = _max_over_ranks(count.bytes)
-    with simulated_link(0.0, nbytes / t_step):
-        t_linked = interleaved_timing({"b": fn}, repeats=max(2, repeats // 2), warmup=0)["b"]
-    t_compute = max(t_linked - t_step, 0.25 * t_step)
-    return nbytes / t_compute, t_step, t_compute, nbytes
-
-
 def _link_records(
     cases: dict[str, Any],
     ours: dict[str, str],
@@ -235,7 +214,7 @@ def _link_records(
     """Each of ``ours`` (record name -> case) vs the blocking ``baseline``, interleaved under
     one modeled link whose bytes per step take as long as the baseline's step without it."""
     latency, b = cfg["link_latency"], baseline
-    bandwidth, t_plain, t_compute, nbytes = _calibrate(cases[b], cfg["repeats"])
+    bandwidth, t_plain, t_compute, nbytes = calibrate_link(cases[b], cfg["repeats"])
     run = {b: cases[b], **{a: cases[a] for a in ours.values()}}
     with simulated_link(latency, bandwidth):
         times = interleaved_timing(run, repeats=cfg["repeats"], warmup=1, device=device)
@@ -243,7 +222,7 @@ def _link_records(
     for case, fn in run.items():
         with simulated_link(latency, bandwidth) as stats:
             fn()
-        t_link[case] = _max_over_ranks(stats.modeled_s)
+        t_link[case] = max_over_ranks(stats.modeled_s)
     if dist.get_rank() == 0:
         print(
             f"link for {b}: step {t_plain * 1e3:.1f} ms without the link, compute "

@@ -31,10 +31,12 @@ from hyper_parallel.dtensor.simlink import LinkStats, simulated_link
 
 __all__ = [
     "LinkStats",
+    "calibrate_link",
     "bench_arguments",
     "bench_record",
     "interleaved_timing",
     "launched_by_torchrun",
+    "max_over_ranks",
     "peak_memory_bytes",
     "run_ranks",
     "setup_torchrun_process",
@@ -258,3 +260,32 @@ def write_records(path: str | os.PathLike[str], records: list[dict[str, Any]]) -
     p.parent.mkdir(parents=True, exist_ok=True)
     existing = json.loads(p.read_text()) if p.exists() else []
     p.write_text(json.dumps(existing + list(records), indent=2) + "\n")
+
+
+def max_over_ranks(value: float, group: Any = None) -> float:
+    """The largest ``value`` over the ranks of ``group`` (``value`` itself without a process
+    group): a step is as slow, and a link as loaded, as its slowest rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def calibrate_link(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float, float]:
+    """``(bytes_per_s, t_step, t_compute, bytes)`` for a blocking step ``fn``: a bandwidth under
+    which ``fn``'s bytes per step take as long as its compute (the regime where overlap
+    matters), with its plain step time, that compute and its bytes per step.
+
+    On a CPU the plain step also contains gloo's real transfers, so the compute is measured as
+    the step under a zero-latency link of ``bytes / t_step`` minus that link's time (every
+    blocking collective then completes at its modeled time, which covers its real one); it is
+    floored at a quarter of the plain step."""
+    t_step = interleaved_timing({"b": fn}, repeats=repeats, warmup=1)["b"]
+    with simulated_link(0.0, 1e18) as count:
+        fn()
+    nbytes = max_over_ranks(count.bytes)
+    with simulated_link(0.0, nbytes / t_step):
+        t_linked = interleaved_timing({"b": fn}, repeats=max(2, repeats // 2), warmup=0)["b"]
+    t_compute = max(t_linked - t_step, 0.25 * t_step)
+    return nbytes / t_compute, t_step, t_compute, nbytes
