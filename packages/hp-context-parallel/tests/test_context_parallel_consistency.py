@@ -6,7 +6,6 @@ with the checks off (the default) the rewritten block runs as before."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,18 +22,10 @@ from hyper_parallel.context_parallel import (
     shard_sequence,
     ulysses_seq_to_head,
 )
-from hyper_parallel.dtensor import InconsistentRanksError, consistency_checks
+from hyper_parallel.dtensor import consistency_checks
+from hyper_parallel.dtensor.testing import assert_same_inconsistency, caught_inconsistency
 
-
-def _caught(fn: Callable[[], Any]) -> tuple[str, str] | None:
-    try:
-        fn()
-    except InconsistentRanksError as exc:
-        t = torch.ones(1)
-        dist.all_reduce(t)  # the group still works: nobody was left inside a collective
-        assert t.item() == dist.get_world_size()
-        return exc.field, str(exc)
-    return None
+_caught = caught_inconsistency
 
 
 def _cases() -> dict[str, Any]:
@@ -94,14 +85,7 @@ def test_disagreeing_ranks_raise_on_every_rank_and_consistent_calls_still_run():
 
     os.environ.pop("HP_CHECK_CONSISTENCY", None)
     results = run_distributed(_cases, 2, timeout=90)
-    for case, (field, what) in EXPECTED.items():
-        got = [r[case] for r in results]
-        assert got[0] is not None, f"{case}: no error"
-        assert got[0] == got[1], f"{case}: the ranks raised different errors {got}"
-        assert got[0][0] == field, (case, got[0])
-        msg = got[0][1]
-        assert msg.startswith(what) and f"disagree on {field!r}" in msg, (case, msg)
-        assert "ranks [0]: " in msg and "ranks [1]: " in msg, (case, msg)
+    assert_same_inconsistency(results, EXPECTED)
     assert "ranks [0]: 'expanded'; ranks [1]: 'latent'" in results[0]["strategy"][1]
     assert "Tensor[2, 8, 24]" in results[0]["seq"][1] and "Tensor[2, 6, 24]" in results[0]["seq"][1]
     assert "float32" in results[0]["dtype"][1] and "float64" in results[0]["dtype"][1]

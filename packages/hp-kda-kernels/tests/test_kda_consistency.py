@@ -6,7 +6,6 @@ instead of hanging; per-rank chunk lengths (uneven, empty) stay allowed; with th
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,8 +14,12 @@ import torch.distributed as dist
 from _kda_hf import kda_layer
 from _kda_testutil import kda_inputs
 
-from hyper_parallel.dtensor import InconsistentRanksError, consistency_checks, init_device_mesh
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor import consistency_checks, init_device_mesh
+from hyper_parallel.dtensor.testing import (
+    assert_same_inconsistency,
+    caught_inconsistency,
+    run_distributed,
+)
 from hyper_parallel.kda import (
     causal_conv_halo,
     kda_context_parallel,
@@ -28,15 +31,7 @@ B, H, K, V = 1, 2, 16, 16
 SPLIT = (5, 0)  # uneven chunks: rank 1's is empty
 
 
-def _caught(fn: Callable[[], Any]) -> tuple[str, str] | None:
-    try:
-        fn()
-    except InconsistentRanksError as exc:
-        t = torch.ones(1)
-        dist.all_reduce(t)  # the group still works: nobody was left inside a collective
-        assert t.item() == dist.get_world_size()
-        return exc.field, str(exc)
-    return None
+_caught = caught_inconsistency
 
 
 def _block(x: torch.Tensor, rank: int) -> torch.Tensor:
@@ -104,14 +99,7 @@ EXPECTED = {
 def test_disagreeing_ranks_raise_on_every_rank_and_uneven_chunks_still_run():
     os.environ.pop("HP_CHECK_CONSISTENCY", None)
     results = run_distributed(_cases, 2, timeout=90)
-    for case, (field, what) in EXPECTED.items():
-        got = [r[case] for r in results]
-        assert got[0] is not None, f"{case}: no error"
-        assert got[0] == got[1], f"{case}: the ranks raised different errors {got}"
-        assert got[0][0] == field, (case, got[0])
-        msg = got[0][1]
-        assert msg.startswith(what) and f"disagree on {field!r}" in msg, (case, msg)
-        assert "ranks [0]: " in msg and "ranks [1]: " in msg, (case, msg)
+    assert_same_inconsistency(results, EXPECTED)
     assert "ranks [0]: 'p2p'; ranks [1]: 'allgather'" in results[0]["protocol"][1]
     assert "ranks [0]: 3; ranks [1]: 4" in results[0]["halo_width"][1]
     assert "(1, 1, 16, 16)" in results[0]["heads"][1] and "(1, 2, 16, 16)" in results[0]["heads"][1]

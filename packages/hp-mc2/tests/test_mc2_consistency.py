@@ -5,17 +5,20 @@ with the checks off (the default) the layers run as before."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from _mc2_testutil import column_reference, group_still_works, max_err, seeded
+from _mc2_testutil import column_reference, max_err, seeded
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hyper_parallel.dtensor import InconsistentRanksError, consistency_checks, init_device_mesh
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor import consistency_checks, init_device_mesh
+from hyper_parallel.dtensor.testing import (
+    assert_same_inconsistency,
+    caught_inconsistency,
+    run_distributed,
+)
 from hyper_parallel.mc2 import (
     MC2ColwiseParallel,
     MC2GatedMLPParallel,
@@ -40,13 +43,7 @@ class _Gated(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _caught(fn: Callable[[], Any]) -> tuple[str, str] | None:
-    try:
-        fn()
-    except InconsistentRanksError as exc:
-        assert group_still_works()  # nobody was left inside a collective
-        return exc.field, str(exc)
-    return None
+_caught = caught_inconsistency
 
 
 def _cases() -> dict[str, Any]:
@@ -122,14 +119,7 @@ EXPECTED = {
 def test_disagreeing_ranks_raise_on_every_rank_and_consistent_calls_still_run():
     os.environ.pop("HP_CHECK_CONSISTENCY", None)
     results = run_distributed(_cases, 2, timeout=TIMEOUT)
-    for case, (field, what) in EXPECTED.items():
-        got = [r[case] for r in results]
-        assert got[0] is not None, f"{case}: no error"
-        assert got[0] == got[1], f"{case}: the ranks raised different errors {got}"
-        assert got[0][0] == field, (case, got[0])
-        msg = got[0][1]
-        assert msg.startswith(what) and f"disagree on {field!r}" in msg, (case, msg)
-        assert "ranks [0]: " in msg and "ranks [1]: " in msg, (case, msg)
+    assert_same_inconsistency(results, EXPECTED)
     assert "float32" in results[0]["dtype"][1] and "float64" in results[0]["dtype"][1]
     assert "Tensor[4, 8]" in results[0]["rows"][1] and "Tensor[6, 8]" in results[0]["rows"][1]
     assert "ranks [0]: 2; ranks [1]: 1" in results[0]["gated_chunks"][1]

@@ -6,28 +6,22 @@ with the checks off the same model computes the same loss."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.dtensor import InconsistentRanksError, init_device_mesh, unflatten
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor import init_device_mesh, unflatten
+from hyper_parallel.dtensor.testing import (
+    assert_same_inconsistency,
+    caught_inconsistency,
+    run_distributed,
+)
 from hyper_parallel.models import gather_sequence, parallelize_model, shard_batch
 from hyper_parallel.models.testing import random_batch, tiny_model
 
-
-def _caught(fn: Callable[[], Any]) -> tuple[str, str] | None:
-    try:
-        fn()
-    except InconsistentRanksError as exc:
-        t = torch.ones(1)
-        dist.all_reduce(t)  # the group still works: nobody was left inside a collective
-        assert t.item() == dist.get_world_size()
-        return exc.field, str(exc)
-    return None
+_caught = caught_inconsistency
 
 
 def _cases() -> dict[str, Any]:
@@ -71,14 +65,7 @@ EXPECTED = {
 @pytest.mark.timeout(120)
 def test_disagreeing_ranks_raise_on_every_rank_and_consistent_calls_still_run():
     results = run_distributed(_cases, 2, timeout=90)
-    for case, (field, what) in EXPECTED.items():
-        got = [r[case] for r in results]
-        assert got[0] is not None, f"{case}: no error"
-        assert got[0] == got[1], f"{case}: the ranks raised different errors {got}"
-        assert got[0][0] == field, (case, got[0])
-        msg = got[0][1]
-        assert msg.startswith(what) and f"disagree on {field!r}" in msg, (case, msg)
-        assert "ranks [0]: " in msg and "ranks [1]: " in msg, (case, msg)
+    assert_same_inconsistency(results, EXPECTED)
     assert "ranks [0]: 'latent'; ranks [1]: 'expanded'" in results[0]["strategy"][1]
     assert "Tensor[2, 8]:int64" in results[0]["seq"][1]
     assert "Tensor[2, 6]:int64" in results[0]["seq"][1]

@@ -50,6 +50,8 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DistributedTimeout",
     "RankFailure",
+    "assert_same_inconsistency",
+    "caught_inconsistency",
     "free_port",
     "run_distributed",
     "run_markdown_example",
@@ -263,3 +265,42 @@ def run_markdown_example(path: str | os.PathLike[str], index: int = 0, timeout: 
             f"README example {path}#{index} exited with {done.returncode}:\n{done.stderr[-4000:]}"
         )
     return done.stdout
+
+
+# ---- consistency-mode test helpers (used by every layer's consistency tests) ---------------
+def caught_inconsistency(fn: Callable[[], Any]) -> tuple[str, str] | None:
+    """Inside a rank: run ``fn``; ``(field, message)`` of the
+    :class:`~hyper_parallel.dtensor.InconsistentRanksError` it raised (after checking that the
+    default group still works, i.e. no rank was left inside a collective), ``None`` if it
+    returned. Any other exception propagates."""
+    import torch
+    import torch.distributed as dist
+
+    from hyper_parallel.dtensor.consistency import InconsistentRanksError
+
+    try:
+        fn()
+    except InconsistentRanksError as exc:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == dist.get_world_size(), "the group is broken after the error"
+        return exc.field, str(exc)
+    return None
+
+
+def assert_same_inconsistency(
+    results: list[dict[str, Any]], expected: dict[str, tuple[str, str]]
+) -> None:
+    """In the caller: for each ``case -> (field, call)`` of ``expected``, every rank's
+    ``results[rank][case]`` (a :func:`caught_inconsistency` result) is the same error, naming
+    ``field``, starting with ``call``, and placing every rank in one of its ``ranks [...]``
+    groups."""
+    for case, (field, what) in expected.items():
+        got = [r[case] for r in results]
+        assert got[0] is not None, f"{case}: no error"
+        assert all(g == got[0] for g in got), f"{case}: the ranks raised different errors {got}"
+        assert got[0][0] == field, (case, got[0])
+        msg = got[0][1]
+        assert msg.startswith(what) and f"disagree on {field!r}" in msg, (case, msg)
+        named = {int(r) for grp in re.findall(r"ranks \[([0-9, ]+)\]", msg) for r in grp.split(",")}
+        assert named == set(range(len(results))), (case, msg)
