@@ -11,8 +11,7 @@ import torch
 from _cp_testutil import TIMEOUT, build, cp_mesh, inputs
 
 from hyper_parallel.context_parallel import parallelize_mla, shard_sequence
-from hyper_parallel.dtensor.benchmarking import simulated_link
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor.testing import compare_under_link, run_distributed
 
 LATENCY = 1e-3
 COMBOS = [(s, o) for s in ("expanded", "latent") for o in (True, False)]
@@ -30,18 +29,11 @@ def _step(strategy: str, overlap: bool, mesh: Any) -> list[torch.Tensor]:
 
 def _rank_compare() -> dict[str, Any]:
     mesh = cp_mesh()
-    res: dict[str, Any] = {}
-    for strategy, overlap in COMBOS:
-        plain = _step(strategy, overlap, mesh)
-        with simulated_link(LATENCY, 1e9) as stats:
-            linked = _step(strategy, overlap, mesh)
-        res[(strategy, overlap)] = {
-            "equal": [torch.equal(a, b) for a, b in zip(plain, linked)],
-            "count": len(plain),
-            "collectives": stats.collectives,
-            "modeled_s": stats.modeled_s,
-        }
-    return res
+    cases = {
+        (strategy, overlap): (lambda s=strategy, o=overlap: _step(s, o, mesh))
+        for strategy, overlap in COMBOS
+    }
+    return compare_under_link(cases, LATENCY)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -12,8 +12,7 @@ import torch.distributed as dist
 from _kda_testutil import kda_inputs
 
 from hyper_parallel.dtensor import init_device_mesh
-from hyper_parallel.dtensor.benchmarking import simulated_link
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor.testing import compare_under_link, run_distributed
 from hyper_parallel.kda import kda_context_parallel, start_causal_conv_halo
 
 LATENCY = 1e-3
@@ -57,18 +56,7 @@ def _rank_compare() -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     cases = {"p2p": lambda: _kda("p2p", mesh), "allgather": lambda: _kda("allgather", mesh)}
     cases["halo"] = lambda: _halo(mesh)
-    res: dict[str, Any] = {}
-    for name, fn in cases.items():
-        plain = fn()
-        with simulated_link(LATENCY, 1e9) as stats:
-            linked = fn()
-        res[name] = {
-            "equal": [torch.equal(a, b) for a, b in zip(plain, linked)],
-            "count": len(plain),
-            "collectives": stats.collectives,
-            "modeled_s": stats.modeled_s,
-        }
-    return res
+    return compare_under_link(cases, LATENCY)
 
 
 @pytest.mark.timeout(120)

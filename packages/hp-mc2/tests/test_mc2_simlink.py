@@ -15,8 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hyper_parallel.dtensor import init_device_mesh
-from hyper_parallel.dtensor.benchmarking import simulated_link
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor.testing import compare_under_link, run_distributed
 from hyper_parallel.mc2 import (
     MC2ColwiseParallel,
     MC2RowwiseParallel,
@@ -85,18 +84,7 @@ def _rank_compare() -> dict[str, Any]:
         for g in (False, True)
     }
     cases["styles"] = lambda: _styles(base, mesh)
-    res: dict[str, Any] = {}
-    for name, fn in cases.items():
-        plain = fn()
-        with simulated_link(LATENCY, 1e9) as stats:
-            linked = fn()
-        res[name] = {
-            "equal": [torch.equal(a, b) for a, b in zip(plain, linked)],
-            "count": len(plain),
-            "collectives": stats.collectives,
-            "modeled_s": stats.modeled_s,
-        }
-    return res
+    return compare_under_link(cases, LATENCY)
 
 
 @pytest.mark.timeout(120)

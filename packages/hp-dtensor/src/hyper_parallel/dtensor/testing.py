@@ -51,6 +51,7 @@ __all__ = [
     "DistributedTimeout",
     "RankFailure",
     "assert_same_inconsistency",
+    "compare_under_link",
     "caught_inconsistency",
     "free_port",
     "run_distributed",
@@ -304,3 +305,28 @@ def assert_same_inconsistency(
         assert msg.startswith(what) and f"disagree on {field!r}" in msg, (case, msg)
         named = {int(r) for grp in re.findall(r"ranks \[([0-9, ]+)\]", msg) for r in grp.split(",")}
         assert named == set(range(len(results))), (case, msg)
+
+
+def compare_under_link(
+    cases: dict[str, Callable[[], Any]], latency_s: float, bytes_per_s: float = 1e9
+) -> dict[str, dict[str, Any]]:
+    """Inside a rank: run each case (returning a sequence of tensors: outputs, gradients) once
+    plainly and once under :func:`~hyper_parallel.dtensor.simlink.simulated_link`; per case,
+    ``equal`` (bitwise, per tensor), ``count`` (tensors compared), ``collectives`` and
+    ``modeled_s`` (what the link carried, so a case that bypassed it is visible)."""
+    import torch
+
+    from hyper_parallel.dtensor.simlink import simulated_link
+
+    res: dict[str, dict[str, Any]] = {}
+    for name, fn in cases.items():
+        plain = fn()
+        with simulated_link(latency_s, bytes_per_s) as stats:
+            linked = fn()
+        res[name] = {
+            "equal": [torch.equal(a, b) for a, b in zip(plain, linked)],
+            "count": len(plain),
+            "collectives": stats.collectives,
+            "modeled_s": stats.modeled_s,
+        }
+    return res

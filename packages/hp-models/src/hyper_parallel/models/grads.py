@@ -7,10 +7,10 @@ tokens' share of the loss:
 
 - a parameter that is whole on every rank (embeddings, norms, attention and KDA weights, MoE
   experts, the LM head) has a share on every rank of the (cp, tp) mesh: summed over all of them;
-- a tensor-parallel shard (a DTensor ``Shard`` placement over ``tp``, from hp-mc2) already holds
-  the sum over its ``tp`` group (the reduce-scatter/all-gather backward did it): summed over
-  ``cp``; a DTensor with a ``Replicate`` placement over ``tp`` holds a per-rank share: summed
-  over all ranks.
+- a tensor-parallel parameter of an MLP (a DTensor over ``tp``, from hp-mc2: the weight shards
+  and the replicated down-projection bias alike) already holds the sum over its ``tp`` group,
+  because hp-mc2's backward works on the gradient gathered over ``tp`` (the whole ``cp``
+  chunk): summed over ``cp`` only.
 
 Gradients are packed into one flat buffer per (group, dtype) and reduced with one
 ``all_reduce`` each. Which parameters have a gradient may differ by rank (an MoE expert that no
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
@@ -38,10 +38,8 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _group_key(p: Tensor, sm: SequenceMesh) -> str:
-    if isinstance(p, DTensor) and not all(isinstance(pl, Replicate) for pl in p.placements):
-        return "cp"
-    return "world"
+def _group_key(p: Tensor) -> str:
+    return "cp" if isinstance(p, DTensor) else "world"
 
 
 def sync_gradients(model: nn.Module) -> None:
@@ -85,7 +83,7 @@ def sync_gradients(model: nn.Module) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         g = _local(p.grad)
-        key = (_group_key(p, sm), g.dtype, g.device)
+        key = (_group_key(p), g.dtype, g.device)
         buckets.setdefault(key, []).append(g)
     for (name, _, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         if sizes[name] == 1:
