@@ -51,12 +51,41 @@ class Package:
     def wheel_name(self) -> str:
         return self.dist.replace("-", "_")
 
+    @property
+    def version_file(self) -> Path:
+        return self.code / "_version.py"
+
+    def version_text(self) -> str:
+        """The version as written in ``_version.py``: ``X.Y.Z`` (a release) or ``X.Y.Z.devN``."""
+        return parse_version_file(self.version_file.read_text(), self.dist)
+
     def version(self) -> tuple[int, ...]:
-        text = (self.code / "_version.py").read_text()
-        m = re.search(r'__version__\s*=\s*"([0-9.]+)"', text)
-        if not m:
-            raise ValueError(f"{self.dist}: no __version__ in {self.code / '_version.py'}")
-        return tuple(int(x) for x in m.group(1).split("."))
+        """The release part ``(X, Y, Z)`` of the version (``0.3.1.dev2`` -> ``(0, 3, 1)``)."""
+        return release_tuple(self.version_text())
+
+
+# the versions this repository writes: a release X.Y.Z, or X.Y.Z.devN between releases
+VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\.dev(\d+))?")
+
+
+def parse_version_file(text: str, where: str = "_version.py") -> str:
+    m = re.search(r'__version__\s*=\s*"([^"]*)"', text)
+    if not m:
+        raise ValueError(f"{where}: no __version__ = \"...\" in _version.py")
+    if not VERSION.fullmatch(m.group(1)):
+        raise ValueError(f"{where}: version {m.group(1)!r} is neither X.Y.Z nor X.Y.Z.devN")
+    return m.group(1)
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    m = VERSION.fullmatch(version)
+    if not m:
+        raise ValueError(f"version {version!r} is neither X.Y.Z nor X.Y.Z.devN")
+    return tuple(int(x) for x in m.groups()[:3])
+
+
+def is_dev(version: str) -> bool:
+    return ".dev" in version
 
 
 def _mini_toml(text: str) -> dict[str, Any]:
