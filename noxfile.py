@@ -12,6 +12,9 @@
     nox -s bench [-- hp-mc2 ... --quick]  benchmarks (all packages, or the ones named);
                                 writes bench-results/ and docs/benchmarks.{md,png}
     nox -s demo [-- args]       the main job (examples/train_hybrid.py)
+    nox -s compat -- 2.10.0 [--keep]  the compact cross-version selection on one torch release
+                                (tools/compat.py, docs/compatibility.md); compat_ci (default):
+                                on the declared floor and the newest torch
 
 torch: CI pins it through ``constraints.txt`` (torch==2.13.0, the CPU wheel). On NPU or CUDA
 images that come with their own torch (and torch_npu), set ``HP_USE_SYSTEM_TORCH=1``: the
@@ -20,9 +23,12 @@ venvs then see the interpreter's site-packages and no second torch is installed.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import nox
@@ -30,14 +36,27 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "tools"))
 import _packages as pkgs  # noqa: E402  (the package list, from packages/*/pyproject.toml)
+import release as releasing  # noqa: E402  (the release policy: RELEASING.md)
 
 PACKAGES_DIR = ROOT / "packages"
 CONSTRAINTS = ROOT / "constraints.txt"
 SYSTEM_TORCH = os.environ.get("HP_USE_SYSTEM_TORCH", "") not in ("", "0")
+# an offline CI: every wheel comes from this folder (``nox -s wheelhouse`` writes it), no index
+WHEELHOUSE = os.environ.get("HP_WHEELHOUSE", "")
+# what an Ascend/CUDA image brings itself and the wheelhouse leaves out
+IMAGE_OWNED = re.compile(r"^(torch|torch[-_]npu|triton|nvidia[-_].*|cuda[-_].*)$", re.I)
 
 MODELS = "hp-models"  # the package on top: installing it installs every layer
 
-nox.options.sessions = ["tests", "integration", "lint", "pins"]
+nox.options.sessions = [
+    "tests",
+    "integration",
+    "lint",
+    "pins",
+    "lowest",
+    "wheelhouse",
+    "compat_ci",
+]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = False
 # uv is much faster than pip; it is told about pip's local wheel settings below. With the
@@ -59,9 +78,12 @@ def _env() -> dict[str, str]:
     # Triton kernels run in the interpreter on CPU; set TRITON_INTERPRET=0 to compile them on
     # a GPU. It must be set before anything imports triton (fla-core does), so it is set here.
     env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "1")
-    links = os.environ.get("PIP_FIND_LINKS")
+    links = os.environ.get("PIP_FIND_LINKS", "")
+    if WHEELHOUSE:  # the index is off; the wheelhouse (and the image's own wheels) serve all
+        links = " ".join(filter(None, [str(Path(WHEELHOUSE).resolve()), links]))
+        env.update(PIP_NO_INDEX="1", UV_NO_INDEX="1", UV_OFFLINE="1", PIP_FIND_LINKS=links)
     if links:
-        env["UV_FIND_LINKS"] = links
+        env["UV_FIND_LINKS"] = links.replace(" ", ",")
     if not SYSTEM_TORCH:
         env["PIP_CONSTRAINT"] = str(CONSTRAINTS)
         env["UV_CONSTRAINT"] = str(CONSTRAINTS)
@@ -132,27 +154,38 @@ def lint(session: nox.Session) -> None:
         session.run("mypy", "-p", pkg.module, env={"MYPYPATH": str(pkg.src)})
     session.run("lint-imports", "--no-cache")
     session.run("python", str(ROOT / "tools" / "check_repo.py"))
+    session.run("python", str(ROOT / "tools" / "release.py"), "check")
+    session.run("python", "-m", "pytest", str(ROOT / "tests" / "tools"), "-q", env=_env())
 
 
 @nox.session(venv_params=_venv_params())
 def pins(session: nox.Session) -> None:
-    """Build every wheel with hatch, install them offline from that wheelhouse, pip check."""
+    """Build every sdist and wheel with hatch, ``twine check --strict`` them (LICENSE inside),
+    install the wheels offline from that wheelhouse, pip check."""
     wheelhouse = ROOT / ".nox" / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
     wheelhouse.mkdir(parents=True)
-    _install(session, "hatch", "pip")
+    _install(session, "hatch", "pip", "twine>=6")
     # hatch keeps its build environments in a data dir of its own: a private one per run
     # means a stale or half-made environment from elsewhere can never be picked up
     hatch_data = ROOT / ".nox" / "hatch-data"
     shutil.rmtree(hatch_data, ignore_errors=True)
     for dist in _packages():
         with session.chdir(PACKAGES_DIR / dist):
-            session.run("hatch", "build", "-t", "wheel", str(wheelhouse), silent=True,
+            session.run("hatch", "build", "-t", "wheel", "-t", "sdist", str(wheelhouse),
+                        silent=True,
                         env={**_env(), "HATCH_DATA_DIR": str(hatch_data),
                              # nox points uv at this venv; hatch must target its own
                              "UV_PYTHON": None, "UV_PROJECT_ENVIRONMENT": None})  # fmt: skip
     wheels = sorted(str(w) for w in wheelhouse.glob("*.whl"))
-    session.run("python", str(ROOT / "tools" / "check_wheels.py"), *wheels)
+    sdists = sorted(str(s) for s in wheelhouse.glob("*.tar.gz"))
+    session.run("python", str(ROOT / "tools" / "check_wheels.py"), *wheels, *sdists)
+    session.run("twine", "check", "--strict", *wheels, *sdists)
+    sdist_dir = ROOT / ".nox" / "sdists"  # aside: what is installed below is the wheels
+    shutil.rmtree(sdist_dir, ignore_errors=True)
+    sdist_dir.mkdir(parents=True)
+    for sdist in sdists:
+        shutil.move(sdist, sdist_dir)
     # third-party requirements (torch and its own dependencies) join the wheelhouse first,
     # then everything is installed with the index switched off
     session.run("python", "-m", "pip", "download", "-q", "-d", str(wheelhouse), *wheels,
@@ -167,6 +200,170 @@ def pins(session: nox.Session) -> None:
     session.run(py, "-m", "pip", "check", external=True)
     modules = ", ".join(p.module for p in pkgs.packages())
     session.run(py, "-c", f"import {modules}; print('every package imports')", external=True)
+
+
+@nox.session(venv_params=_venv_params())
+@nox.parametrize("package", [p.dist for p in pkgs.packages() if p.deps])
+def lowest(session: nox.Session, package: str) -> None:
+    """One package's tests with its own current code and every hp-* sibling at the lowest
+    release its ranges admit, each built from that release's commit (``-- --full``: run the
+    tests even where those releases ship the current code)."""
+    pkg = pkgs.by_dist()[package]
+    chosen = releasing.lowest_admitted(pkg)
+    src = Path(tempfile.mkdtemp(prefix=f"lowest-{package}-", dir=session.create_tmp()))
+    targets = [str(releasing.export(pkgs.by_dist()[r.dist], r.version, src / r.dist))
+               for r in chosen.values()]  # fmt: skip
+    _install(session, *targets, f"{pkg.root}[test]")
+    # what was installed is exactly what was asked for: the lowest releases and this package
+    expected = {r.dist: r.version for r in chosen.values()} | {package: pkg.version_text()}
+    session.run("python", "-c", _CHECK_INSTALLED, json.dumps(expected), pkg.module, env=_env())
+    same = [r for r in chosen.values() if releasing.same_code(pkgs.by_dist()[r.dist], r.commit)]
+    if len(same) == len(chosen) and "--full" not in session.posargs:
+        names = ", ".join(f"{r.dist}=={r.version}" for r in same)
+        session.log(f"{package}: every sibling's lowest release ({names}) ships the code of the "
+                    "current sibling, which the tests session ran this "
+                    "package's tests against; imports checked, tests not repeated")  # fmt: skip
+        return
+    args = [a for a in session.posargs if a != "--full"]
+    session.run("python", "-m", "pytest", str(pkg.root / "tests"), *args, env=_env())
+
+
+# installed versions == the expected ones, and every module of the package imports
+_CHECK_INSTALLED = """
+import importlib, importlib.metadata as md, json, pkgutil, sys
+expected, top = json.loads(sys.argv[1]), sys.argv[2]
+got = {d: md.version(d) for d in expected}
+assert got == expected, f"installed {got}, expected {expected}"
+mod = importlib.import_module(top)
+names = [m.name for m in pkgutil.walk_packages(mod.__path__, top + ".")]
+for name in names:
+    importlib.import_module(name)
+print(f"installed {got}; {top} and its {len(names)} modules import")
+"""
+
+
+def _integration_requirements() -> list[str]:
+    """What the integration session installs besides the packages: its own and the main job's
+    requirements, the test runner, and the build backend the packages are built with."""
+    reqs = ["-r", str(ROOT / "tests" / "integration" / "requirements.txt"),
+            "-r", str(ROOT / "examples" / "requirements.txt")]  # fmt: skip
+    return [*reqs, "pytest>=8", "pytest-timeout>=2.3", "hatchling>=1.27", "editables", "pip"]
+
+
+@nox.session(venv_params=_venv_params())
+def wheelhouse(session: nox.Session) -> None:
+    """Every wheel ``integration`` needs except what the image owns (torch, torch_npu, triton
+    and CUDA libraries) into a folder, for an offline CI: ``nox -s wheelhouse -- DIR
+    [--platform TAG --python-version X.Y]`` (default DIR: .nox/offline-wheelhouse). Then
+    proves it: a fresh venv installs the integration environment from DIR with ``--no-index``
+    (torch from the machine's own wheels or site-packages), ``pip check``, every package
+    imports. Use it with ``HP_WHEELHOUSE=DIR`` (tests/integration/README.md)."""
+    args = list(session.posargs)
+    target = Path(args.pop(0) if args and not args[0].startswith("-") else
+                  ROOT / ".nox" / "offline-wheelhouse").resolve()  # fmt: skip
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    _install(session, "pip", "hatchling>=1.27")
+    for dist in _packages():  # the packages themselves, built here
+        session.run("python", "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(target), str(PACKAGES_DIR / dist), env=_env())  # fmt: skip
+    ours = sorted(str(w) for w in target.glob("*.whl"))
+    report = target / "resolution.json"
+    # resolve the whole environment once (what pip would install into an empty venv) ...
+    session.run("python", "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+                "--report", str(report), *ours, *_integration_requirements(), "nox", "uv",
+                env=_env())  # fmt: skip
+    resolved = json.loads(report.read_text())["install"]
+    pins = sorted({f"{r['metadata']['name']}=={r['metadata']['version']}" for r in resolved
+                   if not r["metadata"]["name"].startswith("hp-")
+                   and not IMAGE_OWNED.match(r["metadata"]["name"])})  # fmt: skip
+    report.unlink()
+    # ... then fetch exactly those, for the target platform if one is named
+    platform = ["--only-binary=:all:", *args] if args else []
+    session.run("python", "-m", "pip", "download", "-q", "--no-deps", "-d", str(target),
+                *platform, *pins, env=_env())  # fmt: skip
+    session.log(
+        f"{target}: {len(list(target.iterdir()))} files; leaves out what the image "
+        f"owns ({IMAGE_OWNED.pattern})"
+    )
+    if args:
+        return  # built for another machine: it cannot be tried here
+    # the proof: an empty venv, the index off, torch from what the machine already has
+    offline = Path(session.create_tmp()) / "offline-venv"
+    shutil.rmtree(offline, ignore_errors=True)
+    session.run(sys.executable, "-m", "venv", *_venv_params(), str(offline), external=True)
+    py = str(offline / "bin" / "python")
+    links = [f"--find-links={x}" for x in [target, *os.environ.get("PIP_FIND_LINKS", "").split()]]
+    env = {"PIP_CONSTRAINT": "" if SYSTEM_TORCH else str(CONSTRAINTS), "PIP_FIND_LINKS": "",
+           "PIP_INDEX_URL": "", "PIP_EXTRA_INDEX_URL": "", "PIP_NO_INDEX": "1"}  # fmt: skip
+    session.run(py, "-m", "pip", "install", "-q", "--no-index", *links,
+                *[str(PACKAGES_DIR / d) for d in _packages()], *_integration_requirements(),
+                external=True, env=env)  # fmt: skip
+    session.run(py, "-m", "pip", "check", external=True)
+    modules = ", ".join(p.module for p in pkgs.packages())
+    session.run(py, "-c", f"import {modules}, pytest, transformers; print('offline install ok')",
+                external=True)  # fmt: skip
+
+
+@nox.session(venv_params=_venv_params())
+def release(session: nox.Session) -> None:
+    """``nox -s release -- DIST [--version X.Y.Z] [--commit]``: check, set the release version
+    and date the changelog, build the sdist and wheel into dist/, ``twine check --strict``, and
+    print what to upload (nothing is uploaded). ``--commit``: commit the release, tag it
+    ``DIST==X.Y.Z`` and commit the next development version (RELEASING.md)."""
+    args = list(session.posargs)
+    commit = "--commit" in args
+    args = [a for a in args if a != "--commit"]
+    version = None
+    if "--version" in args:
+        i = args.index("--version")
+        version = args[i + 1]
+        del args[i : i + 2]
+    if len(args) != 1 or args[0] not in _packages():
+        session.error(f"usage: nox -s release -- DIST [--version X.Y.Z] [--commit]; DIST in "
+                      f"{_packages()}")  # fmt: skip
+    pkg = pkgs.by_dist()[args[0]]
+    files = [str(pkg.version_file), str(pkg.root / "CHANGELOG.md")]
+    if releasing.changed_since("HEAD", [str(pkg.root)]):
+        session.error(f"{pkg.dist} has uncommitted changes: a release must be a commit")
+    problems = releasing.check()
+    if problems:
+        session.error("release checks failed:\n" + "\n".join(problems))
+    try:
+        version = releasing.prepare(pkg, version, None)
+    except releasing.ReleaseError as exc:
+        session.error(str(exc))
+    out = ROOT / "dist" / f"{pkg.dist}-{version}"
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        _install(session, "hatch", "twine>=6")
+        hatch_data = Path(session.create_tmp()) / "hatch-data"
+        with session.chdir(pkg.root):
+            session.run("hatch", "build", "-t", "wheel", "-t", "sdist", str(out),
+                        env={**_env(), "HATCH_DATA_DIR": str(hatch_data), "UV_PYTHON": None,
+                             "UV_PROJECT_ENVIRONMENT": None})  # fmt: skip
+        built = sorted(str(f) for f in out.iterdir())
+        session.run("twine", "check", "--strict", *built)
+    except BaseException:
+        session.run("git", "checkout", "HEAD", "--", *files, external=True)  # undo prepare
+        raise
+    tag = f"{pkg.dist}=={version}"
+    if commit:
+        session.run("git", "commit", "-q", "-m", f"Release {pkg.dist} {version}", "--", *files,
+                    external=True)  # fmt: skip
+        session.run("git", "tag", tag, external=True)
+        nxt = releasing.open_next(pkg)
+        session.run("git", "commit", "-q", "-m", f"{pkg.dist}: open {nxt}", "--", *files,
+                    external=True)  # fmt: skip
+        session.log(f"released {pkg.dist} {version} (tag {tag}); main now at {nxt}")
+    else:
+        session.log(f"prepared {pkg.dist} {version}: now run\n"
+                    f"  git commit -m 'Release {pkg.dist} {version}' -- {' '.join(files)}\n"
+                    f"  git tag '{tag}'\n"
+                    f"  python3 tools/release.py open {pkg.dist}\n"
+                    f"  git commit -m '{pkg.dist}: open the next version' -- "
+                    + " ".join(files))  # fmt: skip
+    session.log(f"to publish (not done here): twine upload {' '.join(built)}")
 
 
 @nox.session(venv_params=_venv_params())
@@ -206,3 +403,30 @@ def demo(session: nox.Session) -> None:
     # escalate to SIGKILL after half a second
     session.run("python", str(ROOT / "examples" / "train_hybrid.py"), *session.posargs,
                 env=_env(), interrupt_timeout=15.0)  # fmt: skip
+
+
+# the compat sessions CI runs: the declared torch floor and the newest torch (tools/compat.py)
+COMPAT_CI = ["2.7.1", "2.15.0"]
+
+
+def _compat(session: nox.Session, *args: str) -> None:
+    # tools/compat.py builds its own venv per torch version (.nox/compat-<version>) with uv
+    # (nox's own environment has it), runs tools/compat_selection.txt, writes
+    # compat-results/torch-<version>.json and deletes the venv unless --keep
+    session.run(sys.executable, str(ROOT / "tools" / "compat.py"), "run", *args, external=True)
+
+
+@nox.session(venv_backend="none")
+def compat(session: nox.Session) -> None:
+    """``nox -s compat -- 2.10.0 [--keep]``: the compact cross-version selection on one torch
+    release (docs/compatibility.md; ``python tools/compat.py render`` redraws the table)."""
+    if not session.posargs:
+        session.error("usage: nox -s compat -- <torch version> [--keep]")
+    _compat(session, *session.posargs)
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("torch", COMPAT_CI)
+def compat_ci(session: nox.Session, torch: str) -> None:
+    """The compat selection on the declared floor and on the newest torch (part of CI)."""
+    _compat(session, torch, *session.posargs)

@@ -71,7 +71,7 @@ VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\.dev(\d+))?")
 def parse_version_file(text: str, where: str = "_version.py") -> str:
     m = re.search(r'__version__\s*=\s*"([^"]*)"', text)
     if not m:
-        raise ValueError(f"{where}: no __version__ = \"...\" in _version.py")
+        raise ValueError(f'{where}: no __version__ = "..." in _version.py')
     if not VERSION.fullmatch(m.group(1)):
         raise ValueError(f"{where}: version {m.group(1)!r} is neither X.Y.Z nor X.Y.Z.devN")
     return m.group(1)

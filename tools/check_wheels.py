@@ -1,7 +1,10 @@
-"""Check built wheels: each ships only its own subpackage of the hyper_parallel namespace,
-with py.typed, and no namespace-level __init__.py; every package has exactly one wheel."""
+"""Check built wheels and sdists: each wheel ships only its own subpackage of the
+hyper_parallel namespace, with py.typed, and no namespace-level __init__.py; every package has
+exactly one wheel (and, where sdists are given, one sdist); every wheel and sdist carries the
+repository's Apache-2.0 LICENSE, byte for byte."""
 
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -20,12 +23,41 @@ def check_wheel(wheel: str, layer: str) -> list[str]:
         problems.append(f"{wheel}: missing py.typed")
     if f"{pkgs.NAMESPACE}/__init__.py" in names:
         problems.append(f"{wheel}: ships {pkgs.NAMESPACE}/__init__.py (breaks the namespace)")
+    licenses = [n for n in names if n.split("/")[0].endswith(".dist-info") and
+                n.endswith("/licenses/LICENSE")]  # fmt: skip
+    if not licenses:
+        problems.append(f"{wheel}: no .dist-info/licenses/LICENSE")
+    elif zipfile.ZipFile(wheel).read(licenses[0]) != LICENSE:
+        problems.append(f"{wheel}: its LICENSE is not the repository's")
     return problems
 
 
-def main(wheels: list[str]) -> int:
+def check_sdist(sdist: str) -> list[str]:
+    with tarfile.open(sdist) as tar:
+        top = Path(sdist).name.removesuffix(".tar.gz")
+        try:
+            member = tar.extractfile(f"{top}/LICENSE")
+        except KeyError:
+            member = None
+        if member is None:
+            return [f"{sdist}: no {top}/LICENSE"]
+        if member.read() != LICENSE:
+            return [f"{sdist}: its LICENSE is not the repository's"]
+    return []
+
+
+LICENSE = (pkgs.ROOT / "LICENSE").read_bytes()
+
+
+def main(files: list[str]) -> int:
     layer_of = {p.wheel_name: p.layer for p in pkgs.packages()}
+    wheels = [f for f in files if f.endswith(".whl")]
+    sdists = [f for f in files if f.endswith(".tar.gz")]
     problems = []
+    if sdists and sorted(Path(s).name.split("-")[0] for s in sdists) != sorted(layer_of):
+        problems.append(f"sdists {sdists} are not one per package {sorted(layer_of)}")
+    for sdist in sdists:
+        problems += check_sdist(sdist)
     built = sorted(Path(w).name.split("-")[0] for w in wheels)
     if built != sorted(layer_of):
         problems.append(f"wheels {built} are not one per package {sorted(layer_of)}")
@@ -37,7 +69,9 @@ def main(wheels: list[str]) -> int:
             problems += check_wheel(wheel, layer_of[dist])
     for p in problems:
         print(p)
-    print(f"checked {len(wheels)} wheel(s): {'FAILED' if problems else 'ok'}")
+    print(
+        f"checked {len(wheels)} wheel(s), {len(sdists)} sdist(s): {'FAILED' if problems else 'ok'}"
+    )
     return 1 if problems else 0
 
 
