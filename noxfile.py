@@ -162,7 +162,7 @@ def lint(session: nox.Session) -> None:
 def pins(session: nox.Session) -> None:
     """Build every sdist and wheel with hatch, ``twine check --strict`` them (LICENSE inside),
     install the wheels offline from that wheelhouse, pip check."""
-    wheelhouse = ROOT / ".nox" / "wheelhouse"
+    wheelhouse = ROOT / ".nox" / "pins-wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
     wheelhouse.mkdir(parents=True)
     _install(session, "hatch", "pip", "twine>=6")
@@ -194,7 +194,9 @@ def pins(session: nox.Session) -> None:
     shutil.rmtree(offline, ignore_errors=True)
     session.run(sys.executable, "-m", "venv", *_venv_params(), str(offline), external=True)
     py = str(offline / "bin" / "python")
-    session.run(py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheelhouse),
+    # --pre: between releases the packages are X.Y.Z.devN, which pip skips by name otherwise
+    session.run(py, "-m", "pip", "install", "-q", "--pre", "--no-index",
+                "--find-links", str(wheelhouse),
                 *[Path(w).name.split("-")[0].replace("_", "-") for w in wheels],
                 external=True, env={"PIP_CONSTRAINT": "", "PIP_FIND_LINKS": ""})  # fmt: skip
     session.run(py, "-m", "pip", "check", external=True)

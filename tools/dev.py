@@ -3,7 +3,7 @@
 runs it) and ``python3 tools/dev.py train`` (the main job). Anything else is passed to nox.
 
 Needs only Python >= 3.10 with pip/venv: the first run creates ``.nox-tools/`` with nox and
-uv, later runs reuse it.
+uv, later runs reuse it (with ``HP_WHEELHOUSE=DIR``, from that folder, with no index).
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ def _tools_python() -> Path:
     if not stamp.exists():
         print(f"[dev] creating {TOOLS.relative_to(ROOT)} with {' '.join(REQUIREMENTS)}", flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(TOOLS)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
+        # an offline CI (tests/integration/README.md): nox and uv come from the wheelhouse
+        house = os.environ.get("HP_WHEELHOUSE")
+        offline = ["--no-index", "--find-links", house] if house else []
+        subprocess.run([str(py), "-m", "pip", "install", "-q", *offline, *REQUIREMENTS], check=True)
         stamp.write_text("ok\n")
     return py
 
