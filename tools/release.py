@@ -197,6 +197,40 @@ def check_version(pkg: pkgs.Package) -> list[str]:
     return []
 
 
+def section(text: str, version: str) -> str | None:
+    """The body of ``## version — date`` in a CHANGELOG text (None if it has none)."""
+    for block in text.split("\n## ")[1:]:
+        m = DATED.fullmatch("## " + block.split("\n", 1)[0].rstrip())
+        if m and m.group(1) == version:
+            return block.strip()
+    return None
+
+
+def check_released_notes(pkg: pkgs.Package) -> list[str]:
+    """A released section of the CHANGELOG reads as it did in its release commit (releases made
+    under this policy; the earlier ones were rewritten once when it began)."""
+    problems = []
+    text = (pkg.root / "CHANGELOG.md").read_text()
+    path = rel(pkg.root / "CHANGELOG.md")
+    for r in releases(pkg).values():
+        ancestor = (
+            subprocess.run(
+                ["git", "merge-base", "--is-ancestor", POLICY_START, r.commit], cwd=ROOT, timeout=60
+            ).returncode
+            == 0
+        )
+        if not ancestor:
+            continue
+        then = section(git("show", f"{r.commit}:{path}"), r.version)
+        if then is not None and section(text, r.version) != then:
+            problems.append(
+                f"{pkg.dist}: the CHANGELOG section of release {r.version} differs "
+                f"from its release commit {r.commit[:10]}: released notes are not "
+                "edited; say it under '## Unreleased'"
+            )
+    return problems
+
+
 def check_history(pkg: pkgs.Package) -> list[str]:
     """Since the policy started, every commit that changes what ``pkg`` ships also moves its
     version and its CHANGELOG; so does the working tree against HEAD."""
@@ -240,6 +274,7 @@ def check() -> list[str]:
             problems += check_changelog(pkg)
             if have_history():
                 problems += check_version(pkg) + check_history(pkg) + check_pins(pkg)
+                problems += check_released_notes(pkg)
         except (ValueError, ReleaseError) as exc:
             problems.append(str(exc))
     return problems

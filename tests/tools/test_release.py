@@ -147,6 +147,18 @@ def test_dev_version_without_unreleased_section_fails(clone: Path) -> None:
     assert "the first section must be '## Unreleased'" in proc.stdout
 
 
+def test_editing_released_notes_fails(clone: Path) -> None:
+    changelog = clone / MC2 / "CHANGELOG.md"
+    text = changelog.read_text()
+    assert "## 0.3.0 — " in text
+    changelog.write_text(
+        text.replace("## 0.3.0 — 2026-12-01\n", "## 0.3.0 — 2026-12-01\n\n- Later.\n")
+    )
+    proc = run(clone, "check")
+    assert proc.returncode == 1
+    assert "hp-mc2: the CHANGELOG section of release 0.3.0 differs" in proc.stdout
+
+
 def test_prepare_then_open_round_trip(clone: Path) -> None:
     changelog = clone / MC2 / "CHANGELOG.md"
     # an empty Unreleased section cannot be released
