@@ -50,6 +50,12 @@ def _bad_inputs():
     errors["mask"] = _error(lambda: model(**local, attention_mask=torch.ones(2, 8)))
     unshifted = {k: v for k, v in local.items() if k != "shift_labels"}
     errors["labels"] = _error(lambda: model(**unshifted))
+    # the full batch, not this rank's block: no positions from shard_batch
+    errors["no_shard_batch"] = _error(lambda: model(**batch))
+    wrong_pos = {**local, "position_ids": torch.arange(16).expand(2, 16)}
+    errors["positions"] = _error(lambda: model(**wrong_pos))
+    errors["cache_position"] = _error(lambda: model(**local, cache_position=torch.arange(8)))
+    errors["generate"] = _error(lambda: model.generate(batch["input_ids"], use_cache=False))
     # still usable after every rejected call: the ranks never entered a collective
     errors["after"] = model(**local).loss.item()
     return errors
@@ -68,6 +74,10 @@ EXPECTED = {
     "use_cache": ("ValueError", "use_cache=True is not supported"),
     "mask": ("ValueError", "attention_mask is not supported"),
     "labels": ("ValueError", "labels need shift_labels"),
+    "no_shard_batch": ("ValueError", "call model(**shard_batch(batch, mesh))"),
+    "positions": ("ValueError", "position_ids (2, 16) do not match the block's (2, 8)"),
+    "cache_position": ("ValueError", "incremental decoding is not split across ranks"),
+    "generate": ("NotImplementedError", "generate() is not supported on a parallelised model"),
 }
 
 

@@ -12,6 +12,7 @@ from hyper_parallel.models._version import __version__
 from hyper_parallel.models.batch import IGNORE_INDEX, gather_sequence, shard_batch
 from hyper_parallel.models.families import supported_classes
 from hyper_parallel.models.grads import sync_gradients
+from hyper_parallel.models.loss import global_mean_loss
 from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
 from hyper_parallel.models.parallelize import ParallelPlan, parallelize_model
 
@@ -21,6 +22,7 @@ __all__ = [
     "SequenceMesh",
     "__version__",
     "gather_sequence",
+    "global_mean_loss",
     "parallelize_model",
     "sequence_mesh",
     "shard_batch",

@@ -21,9 +21,9 @@ from torch import Tensor
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.models.batch import IGNORE_INDEX
-from hyper_parallel.models.mesh import SequenceMesh
+from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
 
-__all__ = ["global_loss", "parallel_forward"]
+__all__ = ["global_loss", "global_mean_loss", "parallel_forward", "refuse_generate"]
 
 
 class _SumShares(torch.autograd.Function):
@@ -48,6 +48,48 @@ def global_loss(share: Tensor, sm: SequenceMesh) -> Tensor:
     return _SumShares.apply(share, sm.flat.get_group())
 
 
+def global_mean_loss(local_sum: Tensor, local_count: Tensor | int, mesh: Any) -> Tensor:
+    """The mean of a per-token loss over the WHOLE batch, from this rank's block, for a loss
+    computed by the caller from ``out.logits`` (a fused cross-entropy kernel, a custom
+    objective): ``local_sum`` is the sum of the per-token losses of this rank's block (a 0-d
+    tensor with autograd), ``local_count`` the number of tokens that entered it.
+
+    Returns ``Σ_r local_sum_r / Σ_r local_count_r``, the serial mean, identical on every rank of
+    ``mesh`` (a :class:`~hyper_parallel.models.SequenceMesh` or the ``("cp", "tp")`` mesh given
+    to ``parallelize_model``). Its backward gives each rank the gradient of its own term only,
+    so after :func:`~hyper_parallel.models.sync_gradients` every gradient equals the serial
+    one. A plain ``local_sum / local_count`` (the mean over the local tokens) is ``P`` times too
+    large in gradient, and a different number on every rank. Two all-reduces (count, loss)."""
+    sm = _as_sequence_mesh(mesh)
+    if not isinstance(local_sum, Tensor) or local_sum.dim() != 0:
+        raise ValueError("global_mean_loss: local_sum must be a 0-d tensor (sum over the block)")
+    count = torch.as_tensor(local_count, dtype=torch.float64, device=local_sum.device).detach()
+    if count.dim() != 0:
+        raise ValueError("global_mean_loss: local_count must be a number or a 0-d tensor")
+    count = count.clone()
+    if sm.size > 1:
+        dist.all_reduce(count, group=sm.flat.get_group())
+    if not bool(count > 0):
+        raise ValueError("global_mean_loss: no token in the whole batch entered the loss")
+    return global_loss(local_sum / count.to(local_sum.dtype), sm)
+
+
+def _as_sequence_mesh(mesh: Any) -> SequenceMesh:
+    return mesh if isinstance(mesh, SequenceMesh) else sequence_mesh(mesh)
+
+
+def refuse_generate(*args: Any, **kwargs: Any) -> Any:
+    """``generate`` of a parallelised model: generation is not supported (raises at once, before
+    any communication, on every rank alike)."""
+    raise NotImplementedError(
+        "generate() is not supported on a parallelised model: decoding needs the KV cache and "
+        "the recurrent state of the whole sequence on every step, which parallelize_model "
+        "splits across ranks (a forward on a full prompt would give each rank the wrong "
+        "scores). Generate with the serial model: load the checkpoint saved from this one "
+        "(save_pretrained / a full state dict) into a plain model"
+    )
+
+
 def _check_call(args: tuple[Any, ...], kwargs: dict[str, Any], has_loss: bool) -> None:
     """Local, structural checks: the same inputs structure on every rank gives the same
     verdict on every rank, before the model issues any collective."""
@@ -62,6 +104,29 @@ def _check_call(args: tuple[Any, ...], kwargs: dict[str, Any], has_loss: bool) -
         )
     if kwargs.get("past_key_values") is not None:
         raise ValueError("past_key_values is not supported on a parallelised model")
+    if kwargs.get("cache_position") is not None:
+        raise ValueError(
+            "cache_position is not supported on a parallelised model: incremental decoding "
+            "is not split across ranks (generate with the serial model)"
+        )
+    ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        raise ValueError(
+            "a parallelised model needs this rank's block of the batch and its positions: "
+            "call model(**shard_batch(batch, mesh)) (no position_ids were given, so the input "
+            "is not a block cut by shard_batch; the full batch on every rank gives wrong "
+            "results)"
+        )
+    if (
+        isinstance(ids, Tensor)
+        and isinstance(pos, Tensor)
+        and (pos.dim() != 2 or pos.shape[1] != ids.shape[1])
+    ):
+        raise ValueError(
+            f"position_ids {tuple(pos.shape)} do not match the block's {tuple(ids.shape[:2])}: "
+            "call model(**shard_batch(batch, mesh))"
+        )
     if kwargs.get("attention_mask") is not None:
         raise ValueError(
             "attention_mask is not supported on a parallelised model: padding cannot be split "
@@ -103,7 +168,9 @@ def check_call_consistent(kwargs: dict[str, Any], sm: SequenceMesh, has_loss: bo
 def parallel_forward(
     original: Callable[..., Any], sm: SequenceMesh, has_loss: bool, mask_override: Any
 ) -> Callable[..., Any]:
-    """Wrap a model's bound ``forward`` (see the module docstring)."""
+    """Wrap a model's bound ``forward`` (see the module docstring). The loss is made global
+    in both of Hugging Face's output forms: ``out.loss``, and the first element of the tuple
+    that ``return_dict=False`` returns when labels are given."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         _check_call(args, kwargs, has_loss)
@@ -118,7 +185,11 @@ def parallel_forward(
                 dist.all_reduce(count, group=sm.flat.get_group())
             kwargs["num_items_in_batch"] = count
         out = original(**kwargs)
-        if getattr(out, "loss", None) is not None and targets is not None:
+        if targets is None or kwargs.get("labels") is None:
+            return out
+        if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...)
+            return (global_loss(out[0], sm), *out[1:])
+        if getattr(out, "loss", None) is not None:
             out.loss = global_loss(out.loss, sm)
         return out
 

@@ -33,7 +33,7 @@ from hyper_parallel.kda import parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
 from hyper_parallel.models.families import ModelFamily, family_of, role_of
 from hyper_parallel.models.fsdp import apply_fsdp, fsdp_available
-from hyper_parallel.models.loss import parallel_forward
+from hyper_parallel.models.loss import parallel_forward, refuse_generate
 from hyper_parallel.models.mesh import SequenceMesh, check_mesh, sequence_mesh
 
 __all__ = ["ParallelPlan", "parallelize_model"]
@@ -188,6 +188,8 @@ def parallelize_model(
             parallelize_module(block, sm.tp, MC2GatedMLPParallel())
     has_loss = base is not model
     model.forward = parallel_forward(model.forward, sm, has_loss, _mask_override(fam))  # type: ignore[method-assign]
+    if hasattr(model, "generate"):  # decoding is not split: refuse before any communication
+        model.generate = refuse_generate  # type: ignore[method-assign]
     if grad_reduction == "fsdp":
         apply_fsdp(model, base, roles, sm)
     model._hp_models_plan = ParallelPlan(fam.name, sm, grad_reduction, roles)  # type: ignore[assignment]
