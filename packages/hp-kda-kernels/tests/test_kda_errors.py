@@ -11,8 +11,9 @@ Rejected inputs (README, "Errors"); each case names the message it must carry:
 - kda_context_parallel: mismatched q/k/v/g/beta/initial_state shapes, bad chunk_size;
 - causal_conv_halo: bad width, seq_dim, mesh;
 - parallelize_kda: bad protocol/group_size/mesh; a call with cache_params, an attention_mask,
-  packed sequences or hidden states of the wrong width. A module of another kind is a
-  TypeError, a second rewrite a RuntimeError.
+  seq_idx, a malformed cu_seqlens table (not starting at 0, not strictly increasing, not
+  integer, B > 1) or hidden states of the wrong width; kda_context_parallel: the same tables.
+  A module of another kind is a TypeError, a second rewrite a RuntimeError.
 """
 
 from __future__ import annotations
@@ -98,8 +99,18 @@ def _cases(mesh: Any, mesh2d: Any, shuffled: Any) -> dict[str, tuple[str, Callab
                              lambda: layer(x, cache_params=object())),
         "kda attention_mask": ("an attention_mask (padding) is not supported",
                                lambda: layer(x, attention_mask=torch.ones(1, 5))),
-        "kda packed": ("packed sequences (cu_seqlens)",
-                       lambda: layer(x, cu_seqlens=torch.tensor([0, 5]))),
+        "kda seq_idx": ("seq_idx is not supported",
+                        lambda: layer(x, seq_idx=torch.zeros(1, 5, dtype=torch.int32))),
+        "kda table start": ("cu_seqlens must start at 0",
+                            lambda: layer(x, cu_seqlens=torch.tensor([1, 20]))),
+        "kda table order": ("strictly increasing",
+                            lambda: layer(x, cu_seqlens=torch.tensor([0, 3, 3, 20]))),
+        "kda table B>1": ("batch size 1",
+                          lambda: layer(x.expand(2, 5, 32), cu_seqlens=torch.tensor([0, 20]))),
+        "kda table float": ("integer tensor",
+                            lambda: layer(x, cu_seqlens=torch.tensor([0.0, 20.0]))),
+        "layer table": ("cu_seqlens must start at 0",
+                        lambda: cp(q, k, v, g, beta, mesh, cu_seqlens=torch.tensor([2, 24]))),
         "kda hidden size": ("hidden_states has 8 features, the layer expects 32",
                             lambda: layer(x[..., :8])),
         "parallelize protocol": ("unknown protocol 'ring'",
@@ -161,7 +172,7 @@ def _errors_rank() -> dict[str, Any]:
 def test_every_bad_input_raises_on_every_rank_before_communicating() -> None:
     results = run_distributed(_errors_rank, 4, timeout=120)
     expected = results[0]["expected"]
-    assert len(expected) == 32
+    assert len(expected) == 37
     for r, res in enumerate(results):
         assert res["calls"] == [], f"rank {r} communicated: {res['calls']}"
         for name, match in expected.items():

@@ -14,6 +14,7 @@ from .halo import PendingHalo, causal_conv_halo, start_causal_conv_halo
 from .layer import kda_context_parallel
 from .merge import affine_merge, affine_scan, choose_backend
 from .naive import naive_recurrent_kda, naive_state_summary
+from .packing import PackedBlock, packed_block
 from .parallelize import (
     SUPPORTED_KDA_CLASSES,
     ContextParallelKDA,
@@ -26,6 +27,7 @@ __all__ = [
     "PROTOCOLS",
     "SUPPORTED_KDA_CLASSES",
     "ContextParallelKDA",
+    "PackedBlock",
     "PendingHalo",
     "CostParams",
     "ProtocolChoice",
@@ -41,6 +43,7 @@ __all__ = [
     "kda_context_parallel",
     "naive_recurrent_kda",
     "naive_state_summary",
+    "packed_block",
     "parallelize_kda",
     "start_causal_conv_halo",
     "state_summary",

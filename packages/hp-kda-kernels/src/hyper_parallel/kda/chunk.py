@@ -15,13 +15,20 @@ one reference token per chunk (both factors within ``e^{±60}``, everything a ma
 with a wider gate range use 16-token sub-chunks with exact pairwise factors inside and factors
 ≤ 1 across, so strong decay cannot overflow. Sequences that are not a multiple of ``C`` are
 padded with identity tokens (``k = v = g = β = 0``), which leave the state unchanged.
+
+Packed documents: a reset at token ``t`` (a document starts there) zeroes the state before the
+token's update. Inside a chunk with segment ids ``σ_t`` (resets counted up to ``t``) this masks
+``A`` and ``P`` to same-segment pairs, keeps the ``h_0`` terms (``e^{Γ}⊙K`` in ``W``, ``e^{Γ}⊙Q``
+in ``Q_eff``) only on the first segment (``σ_t = 0``) and ``K̃`` only on the last; a chunk that
+contains a reset has ``M_c = −K̃ᵀ W = 0``: its summary does not depend on the incoming state.
+The gate factors are the same products as without resets, multiplied by 0/1 masks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import check_chunk_size, check_qkv, state_dtype
+from ._checks import check_chunk_size, check_cu_seqlens, check_qkv, document_resets, state_dtype
 
 __all__ = ["chunk_kda", "state_summary"]
 
@@ -132,8 +139,10 @@ def _chunk_terms(
     beta: torch.Tensor,
     q: torch.Tensor | None,
     scale: float,
+    resets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Per-chunk terms for chunked inputs ``[B, H, n, C, ...]``.
+    """Per-chunk terms for chunked inputs ``[B, H, n, C, ...]`` (``resets [B, H, n, C]``: 1
+    where a document starts, or None).
 
     Returns ``(S_c [.., n, K, V], M_c [.., n, K, K])`` and, when ``q`` is given, also
     ``(Q_eff [.., n, C, K], O_c [.., n, C, V])`` with ``o = Q_eff h_0 + O_c`` per chunk.
@@ -142,19 +151,34 @@ def _chunk_terms(
     # The in-chunk prefix sum as a matmul: CPU cumsum along a middle dim is a slow serial loop.
     G = torch.ones(C, C, dtype=g.dtype, device=g.device).tril() @ g
     A, P = _decay_products(G, k, None if q is None else q * scale)
+    G_exp = _exp(G)
+    G_last = G[..., -1:, :]
+    k_tail = _exp(G_last - G) * k
+    decay_last = torch.diag_embed(_exp(G_last.squeeze(-2)))
+    k_start = G_exp * k  # the h_0 terms
+    q_start = None if q is None else (G_exp * q) * scale
+    if resets is not None:
+        seg = resets.cumsum(-1)  # segment id of each token inside its chunk
+        A = A * (seg.unsqueeze(-1) == seg.unsqueeze(-2))
+        if P is not None:
+            P = P * (seg.unsqueeze(-1) == seg.unsqueeze(-2))
+        first = (seg == 0).unsqueeze(-1)
+        k_start = k_start * first
+        if q_start is not None:
+            q_start = q_start * first
+        k_tail = k_tail * (seg == seg[..., -1:]).unsqueeze(-1)
+        decay_last = decay_last * (seg[..., -1:] == 0).unsqueeze(-1)
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
     lower = eye + beta.unsqueeze(-1) * A
-    G_exp = _exp(G)
-    rhs = beta.unsqueeze(-1) * torch.cat([v, G_exp * k], dim=-1)
+    rhs = beta.unsqueeze(-1) * torch.cat([v, k_start], dim=-1)
     UW = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
     U, W = UW[..., :V], UW[..., V:]
-    G_last = G[..., -1:, :]
-    k_tail_t = (_exp(G_last - G) * k).transpose(-1, -2)
-    M_c = torch.diag_embed(_exp(G_last.squeeze(-2))) - k_tail_t @ W
+    k_tail_t = k_tail.transpose(-1, -2)
+    M_c = decay_last - k_tail_t @ W
     S_c = k_tail_t @ U
-    if q is None or P is None:
+    if q_start is None or P is None:
         return S_c, M_c
-    Q_eff = (G_exp * q) * scale - P @ W
+    Q_eff = q_start - P @ W
     return S_c, M_c, Q_eff, P @ U
 
 
@@ -165,6 +189,7 @@ def _all_chunk_terms(
     beta: torch.Tensor,
     q: torch.Tensor | None,
     scale: float,
+    resets: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """:func:`_chunk_terms` over all chunks, a bounded number of chunks at a time."""
     B, H, n, C, K = k.shape
@@ -181,6 +206,7 @@ def _all_chunk_terms(
                 beta[:, :, sl],
                 None if q is None else q[:, :, sl],
                 scale,
+                None if resets is None else resets[:, :, sl],
             )
         )
     return [torch.cat(items, dim=2) if len(parts) > 1 else items[0] for items in zip(*parts)]
@@ -209,6 +235,7 @@ def _prepare(
     beta: torch.Tensor,
     chunk_size: int,
     dt: torch.dtype,
+    resets: torch.Tensor | None = None,
 ) -> tuple[int, list[torch.Tensor | None]]:
     T = k.shape[1]
     n = max(1, -(-T // chunk_size))
@@ -217,6 +244,9 @@ def _prepare(
     out: list[torch.Tensor | None] = []
     for x in (q, k, v, g, beta):
         out.append(None if x is None else _chunked(x.to(dt), n, C))
+    if resets is not None:  # [B, T] -> [B, H, n, C]
+        r = resets.to(dt).unsqueeze(-1).expand(*k.shape[:3])
+        out.append(_chunked(r, n, C))
     return n, out
 
 
@@ -250,13 +280,18 @@ def chunk_terms(
     beta: torch.Tensor,
     scale: float,
     chunk_size: int,
+    resets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """State-independent per-chunk terms ``(S_c, M_c, Q_eff, O_c)`` of validated, non-empty
-    inputs, in the state dtype; see :func:`run_chunks` and :func:`compose_chunks`."""
-    _, (qc, kc, vc, gc, bc) = _prepare(q, k, v, g, beta, chunk_size, state_dtype(v))
+    inputs, in the state dtype; see :func:`run_chunks` and :func:`compose_chunks`.
+    ``resets [B, T]`` (0/1): the tokens where a document starts (the state is zeroed before
+    their update), or None."""
+    _, parts = _prepare(q, k, v, g, beta, chunk_size, state_dtype(v), resets)
+    qc, kc, vc, gc, bc = parts[:5]
+    rc = parts[5] if resets is not None else None
     assert qc is not None and kc is not None and vc is not None and gc is not None
     assert bc is not None
-    return tuple(_all_chunk_terms(kc, vc, gc, bc, qc, scale))
+    return tuple(_all_chunk_terms(kc, vc, gc, bc, qc, scale, rc))
 
 
 def compose_chunks(terms: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,14 +322,22 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunk-parallel twin of :func:`naive_recurrent_kda` (same signature plus ``chunk_size``).
 
     Returns ``(o [B, T, H, V] in v's dtype, final state [B, H, K, V] or None)``.
-    Differentiable; the state is fp32 (fp64 for fp64 inputs).
+    Differentiable; the state is fp32 (fp64 for fp64 inputs). ``cu_seqlens`` (packed
+    documents, ``B == 1``): document offsets ``[0, …, T]``; the state restarts from zero at
+    every document start (only the first document starts from ``initial_state``), the final
+    state is the last document's.
     """
     B, T, H, K, V = check_qkv(q, k, v, g, beta, initial_state)
     check_chunk_size(chunk_size)
+    resets = None
+    if cu_seqlens is not None:
+        starts = check_cu_seqlens(cu_seqlens, B, T, "chunk_kda")
+        resets = document_resets(starts, 0, T, k.device)
     dt = state_dtype(v)
     if scale is None:
         scale = K**-0.5
@@ -303,5 +346,5 @@ def chunk_kda(
         h = h + initial_state.to(dt)
     if T == 0:
         return v.new_zeros(B, 0, H, V), (h if output_final_state else None)
-    o, h = run_chunks(chunk_terms(q, k, v, g, beta, scale, chunk_size), h, T)
+    o, h = run_chunks(chunk_terms(q, k, v, g, beta, scale, chunk_size, resets), h, T)
     return o.to(v.dtype), (h if output_final_state else None)

@@ -18,11 +18,13 @@ import torch.distributed as dist
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
 
+from ._amp import fp32_core
 from ._checks import check_chunk_size, check_kernel_dims, check_qkv
 from .chunk import chunk_terms, compose_chunks, run_chunks
 from .cost import CostParams, choose_protocol
 from .exchange import StateExchange, build_state_exchange, default_width
 from .merge import choose_backend
+from .packing import PackedBlock, packed_block
 
 __all__ = ["kda_context_parallel"]
 
@@ -122,6 +124,7 @@ class _ExchangeFn(torch.autograd.Function):
         return h_in
 
     @staticmethod
+    @fp32_core
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         M, h_in = ctx.saved_tensors
         g_out = ctx.ex.exchange_backward(grad.to(torch.float32).contiguous(), M)
@@ -129,6 +132,7 @@ class _ExchangeFn(torch.autograd.Function):
         return (g_out, g_out @ h_in.transpose(-1, -2), None, *empty)
 
 
+@fp32_core  # state and summaries in float32 under autocast too (see _amp)
 def kda_context_parallel(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -145,6 +149,8 @@ def kda_context_parallel(
     chunk_size: int = 64,
     backend: str = "auto",
     cost_params: CostParams | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    packed: PackedBlock | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA with the sequence split across the ranks of the 1-D ``mesh`` (rank ``r`` holds the
     ``r``-th contiguous chunk, chunks may differ in length).
@@ -159,6 +165,14 @@ def kda_context_parallel(
     output (the backward exchange is collective). State and summaries are fp32.
     ``protocol``/``group_size``/``cost_params`` configure :func:`build_state_exchange`;
     ``backend`` selects the fold backend. All checks run before any communication.
+
+    Packed documents: ``cu_seqlens`` (1-D integer, the global document offsets ``[0, …, T]``
+    over the whole sequence, identical on every rank, ``B == 1``) restarts the state from zero
+    at every document start (only the first document starts from ``initial_state``; the final
+    state is the last document's). A block containing a start sends the summary ``(S, M = 0)``,
+    so the exchange is the same size for any number of documents; placing the block costs one
+    all-gather of the block lengths (see :mod:`hyper_parallel.kda.packing`; ``packed``, from
+    :func:`~hyper_parallel.kda.packing.packed_block`, skips it when the caller placed it).
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
     collective every rank of ``mesh`` compares ``(B, H, K, V)``, the dtypes of ``q, k, v, g,
@@ -184,6 +198,9 @@ def kda_context_parallel(
             "cost_params": cost_params,
         }  # fmt: skip
         _check_consistent_call(q, tensors, (B, H, K, V), mesh, options)
+    if cu_seqlens is not None and packed is None:
+        packed = packed_block(cu_seqlens, mesh, B, T, q.device, "kda_context_parallel")
+    resets = None if packed is None else packed.resets
     ex = executor_for(mesh, protocol, group_size, backend, cost_params)
     first = ex.position == 0
     last = ex.position == ex.world_size - 1
@@ -200,7 +217,7 @@ def kda_context_parallel(
         M = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, H, K, K).contiguous()
         anchors = (q, k, v, g, beta)
     else:
-        terms = chunk_terms(f32[0], f32[1], f32[2], f32[3], f32[4], scale, chunk_size)
+        terms = chunk_terms(f32[0], f32[1], f32[2], f32[3], f32[4], scale, chunk_size, resets)
         S, M = compose_chunks(terms)
     if h0 is not None:
         S = M @ h0 + S

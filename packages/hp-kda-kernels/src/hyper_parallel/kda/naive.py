@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_qkv, state_dtype
+from ._checks import check_cu_seqlens, check_qkv, state_dtype
 
 __all__ = ["naive_recurrent_kda", "naive_state_summary"]
 
@@ -23,14 +23,20 @@ def naive_recurrent_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run KDA one token at a time.
 
     ``q, k, g: [B, T, H, K]``, ``v: [B, T, H, V]``, ``beta: [B, T, H]``, ``initial_state:
     [B, H, K, V]`` (zero when None). The state is kept in fp32 (fp64 when the inputs are fp64).
     Returns ``(o [B, T, H, V] in v's dtype, final state [B, H, K, V] or None)``. Differentiable.
+    ``cu_seqlens`` (``B == 1``, offsets ``[0, …, T]``): packed documents, the state zeroed at
+    each document start after the first.
     """
     B, T, H, K, V = check_qkv(q, k, v, g, beta, initial_state)
+    starts = set()
+    if cu_seqlens is not None:
+        starts = set(check_cu_seqlens(cu_seqlens, B, T, "naive_recurrent_kda")[1:-1])
     dt, out_dtype = state_dtype(v), v.dtype
     if scale is None:
         scale = K**-0.5
@@ -41,6 +47,8 @@ def naive_recurrent_kda(
     outs = []
     for t in range(T):
         k_t, v_t, b_t = k[:, t], v[:, t], beta[:, t]
+        if t in starts:
+            h = torch.zeros_like(h)
         h = h * g[:, t].exp().unsqueeze(-1)
         err = v_t - torch.einsum("bhkv,bhk->bhv", h, k_t)
         h = h + (b_t.unsqueeze(-1) * k_t).unsqueeze(-1) * err.unsqueeze(-2)

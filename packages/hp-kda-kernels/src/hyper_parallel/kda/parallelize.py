@@ -37,6 +37,7 @@ from hyper_parallel.dtensor.consistency import consistency_enabled
 from .exchange import PROTOCOLS
 from .halo import start_causal_conv_halo
 from .layer import executor_for, kda_context_parallel
+from .packing import PackedBlock, packed_block
 
 __all__ = ["SUPPORTED_KDA_CLASSES", "ContextParallelKDA", "parallelize_kda", "unparallelize_kda"]
 
@@ -92,9 +93,10 @@ def _check_call(
             "parallelize_kda: an attention_mask (padding) is not supported under context "
             "parallelism; pass none (KimiLinearModel turns an all-ones mask into None)"
         )
-    for name in ("cu_seqlens", "seq_idx"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"parallelize_kda: packed sequences ({name}) are not supported")
+    if kwargs.get("seq_idx") is not None:
+        raise ValueError(
+            "parallelize_kda: seq_idx is not supported; pass the documents as cu_seqlens"
+        )
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         raise ValueError("parallelize_kda: hidden_states must be this rank's block [B, T_r, D]")
     if hidden_states.shape[-1] != module.hidden_size:
@@ -121,8 +123,11 @@ def _cp_forward(
             hidden_states_B_D=(B, x.shape[-1]), dtype=str(x.dtype), device=x.device.type,
             halo_width=self.conv_kernel_size - 1, protocol=state.protocol,
             group_size=state.group_size, layer=_layer_signature(self), training=self.training,
-            grad_enabled=torch.is_grad_enabled(),
+            grad_enabled=torch.is_grad_enabled(), packed=kwargs.get("cu_seqlens") is not None,
         )  # fmt: skip
+    packed = None
+    if kwargs.get("cu_seqlens") is not None:
+        packed = packed_block(kwargs["cu_seqlens"], state.mesh, B, T, x.device, "parallelize_kda")
     heads = (B, T, self.num_heads, self.head_dim)
     mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
     pending = start_causal_conv_halo(mixed, self.conv_kernel_size, state.mesh, seq_dim=1)
@@ -134,7 +139,9 @@ def _cp_forward(
     gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
     rows = torch.cat([pending.wait(), mixed], dim=1).transpose(1, 2)  # [B, C, W-1+T]
     weight = self.conv1d.weight  # [C, 1, W]
-    if T:
+    if T and packed is not None:
+        conv = _document_conv(rows.to(weight.dtype), weight, self.conv1d.bias, packed)
+    elif T:
         conv = F.conv1d(rows.to(weight.dtype), weight, self.conv1d.bias, groups=weight.shape[0])
     else:  # no outputs, but still tied to the halo: its backward must run on this rank too
         conv = rows[..., :0].to(weight.dtype)
@@ -142,9 +149,27 @@ def _cp_forward(
     q, k, v = (t.reshape(heads) for t in conv.split(self.num_heads * self.head_dim, dim=-1))
     o, _ = kda_context_parallel(
         _l2norm(q.float()), _l2norm(k.float()), v, g, beta, state.mesh,
-        protocol=state.protocol, group_size=state.group_size,
+        protocol=state.protocol, group_size=state.group_size, packed=packed,
     )  # fmt: skip
     return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.num_heads * self.head_dim))
+
+
+def _document_conv(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedBlock
+) -> torch.Tensor:
+    """The depthwise causal convolution of ``rows [B, C, W−1+T]`` (halo, then the block) that
+    reads no row of an earlier document: tap ``j`` of output ``t`` reads global row
+    ``start + t − (W−1) + j``, kept only when it is not before ``t``'s document start (the
+    serial convolution of each document alone pads with zeros there)."""
+    W, T = weight.shape[-1], packed.length
+    pos = torch.arange(packed.start, packed.start + T, device=rows.device) - (W - 1)
+    out = None
+    for j in range(W):
+        keep = (pos + j >= packed.doc_start).to(rows.dtype)
+        term = rows[..., j : j + T] * (weight[:, 0, j, None] * keep)
+        out = term if out is None else out + term
+    assert out is not None
+    return out if bias is None else out + bias[:, None]
 
 
 def _layer_signature(module: Any) -> tuple[Any, ...]:
@@ -235,8 +260,15 @@ def parallelize_kda(
     other than :data:`SUPPORTED_KDA_CLASSES`, ``cp_mesh`` not a DeviceMesh), ``RuntimeError``
     (already parallelized), ``ValueError`` (mesh not 1-D or not in chronological rank order,
     unknown protocol, bad ``group_size``, unsupported activation). At call time, on every
-    rank: ``cache_params`` or ``attention_mask`` not None, packed sequences, or a malformed
-    ``hidden_states`` raise ``ValueError``.
+    rank: ``cache_params`` or ``attention_mask`` not None, ``seq_idx``, a bad ``cu_seqlens``
+    (see below) or a malformed ``hidden_states`` raise ``ValueError``.
+
+    Packed documents: ``module(hidden_states, cu_seqlens=offsets)`` with ``offsets`` the global
+    document offsets ``[0, …, T]`` over the whole sequence (1-D integer, identical on every
+    rank, ``B == 1``) gives this rank's rows of the serial layer run on each document alone:
+    the convolution reads no row of an earlier document and the recurrence restarts from zero
+    at each start (see :mod:`hyper_parallel.kda.packing`: one all-gather of the block lengths,
+    then the same exchanges as without documents).
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the
     executor is built, the ranks of ``cp_mesh`` compare ``protocol``, ``group_size``, the
