@@ -85,12 +85,25 @@ def _unflatten_cases(fallback, cases):
 
 
 def _torch_unflatten_cases(cases):
+    """torch's own answer: ``DeviceMesh._unflatten`` of the slice (torch >= 2.10); on older
+    torch, which has no ``_unflatten``, the same dims sliced from a root that torch built with
+    the unflattened shape (the mesh ``_unflatten`` is defined to equal)."""
     out = {}
+    init = torch.distributed.device_mesh.init_device_mesh
     for case in cases:
         shape, names, dim, sizes, new_names = cases[case]
-        root = torch.distributed.device_mesh.init_device_mesh("cpu", shape, mesh_dim_names=names)
-        sub = root[dim] if len(shape) > 1 else root
-        mesh = sub._unflatten(0, sizes, new_names)
+        if hasattr(torch.distributed.DeviceMesh, "_unflatten"):
+            root = init("cpu", shape, mesh_dim_names=names)
+            sub = root[dim] if len(shape) > 1 else root
+            mesh = sub._unflatten(0, sizes, new_names)
+        else:
+            d = names.index(dim)
+            full = init(
+                "cpu",
+                (*shape[:d], *sizes, *shape[d + 1 :]),
+                mesh_dim_names=(*names[:d], *new_names, *names[d + 1 :]),
+            )
+            mesh = full[new_names] if len(shape) > 1 else full
         out[case] = {"ranks": mesh.mesh.tolist(), "groups": _group_ranks(mesh)}
     return out
 

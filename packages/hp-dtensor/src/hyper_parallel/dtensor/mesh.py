@@ -171,15 +171,11 @@ def _attach_native(
 
 
 def _attach_fallback(root: DeviceMesh, mesh: DeviceMesh) -> DeviceMesh:
+    """Remember ``root`` for :func:`root_mesh`. torch itself keeps seeing ``mesh`` as a root:
+    torch < 2.10 refuses to slice a mesh it has recorded as a child ("Cannot create a submesh
+    from a submesh"), so recording it in torch's global root mapping would break
+    ``mesh["tp"]``; slices of ``mesh`` reuse its groups and have ``mesh`` as torch's root."""
     mesh._hp_root = root  # type: ignore[attr-defined]
-    try:  # torch < 2.10 answers root queries from a global environment
-        from torch.distributed.device_mesh import _mesh_resources
-
-        mapping = getattr(_mesh_resources, "child_to_root_mapping", None)
-        if isinstance(mapping, dict):
-            mapping[mesh] = root
-    except ImportError:  # pragma: no cover
-        pass
     return mesh
 
 
