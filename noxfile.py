@@ -296,12 +296,15 @@ def wheelhouse(session: nox.Session) -> None:
     session.run(sys.executable, "-m", "venv", *_venv_params(), str(offline), external=True)
     py = str(offline / "bin" / "python")
     links = [f"--find-links={x}" for x in [target, *os.environ.get("PIP_FIND_LINKS", "").split()]]
-    env = {"PIP_CONSTRAINT": "" if SYSTEM_TORCH else str(CONSTRAINTS), "PIP_FIND_LINKS": "",
-           "PIP_INDEX_URL": "", "PIP_EXTRA_INDEX_URL": "", "PIP_NO_INDEX": "1"}  # fmt: skip
-    session.run(py, "-m", "pip", "install", "-q", "--no-index", *links,
+    # uv (nox's own installer here) with the index off: only the folder and the machine's
+    # wheels can serve; the constraints pin torch to the machine's own unless it is the system's
+    constraint = [] if SYSTEM_TORCH else ["--constraint", str(CONSTRAINTS)]
+    env = {"UV_INDEX_URL": None, "UV_EXTRA_INDEX_URL": None, "UV_FIND_LINKS": None,
+           "UV_CONSTRAINT": None}  # fmt: skip
+    session.run("uv", "pip", "install", "-q", "--python", py, "--no-index", *links, *constraint,
                 *[str(PACKAGES_DIR / d) for d in _packages()], *_integration_requirements(),
                 external=True, env=env)  # fmt: skip
-    session.run(py, "-m", "pip", "check", external=True)
+    session.run("uv", "pip", "check", "--python", py, external=True)
     modules = ", ".join(p.module for p in pkgs.packages())
     session.run(py, "-c", f"import {modules}, pytest, transformers; print('offline install ok')",
                 external=True)  # fmt: skip
