@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from hyper_parallel.context_parallel import recorder as _rec
+from hyper_parallel.context_parallel._amp import autocast_off, cast_for_autocast, without_autocast
 from hyper_parallel.context_parallel.exchange import Exchange
 from hyper_parallel.context_parallel.mla import kv_heads
 
@@ -78,9 +79,11 @@ class WaitLinear(Function):
         ctx: Any, token: Tensor, weight: Tensor, bias: Tensor | None, ex: Exchange, head_width: int
     ) -> Tensor:
         a = ex.finish()
+        ctx.a_dtype = a.dtype  # the gradient's exchange carries a's own dtype
         with span("o_proj", "forward"):
-            a = a.flatten(2)
-            y = F.linear(a, weight, bias)
+            a, weight, bias = cast_for_autocast(a.device.type, a.flatten(2), weight, bias)
+            with autocast_off(a.device.type):  # what autocast's F.linear computes (_amp)
+                y = F.linear(a, weight, bias)
         ctx.ex, ctx.has_bias, ctx.a_shape, ctx.head_width = (
             ex,
             bias is not None,
@@ -91,11 +94,13 @@ class WaitLinear(Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx: Any, dy: Tensor) -> Any:  # type: ignore[override]
         a, weight = ctx.saved_tensors
         ex = ctx.ex
+        dy = dy.to(a.dtype)
         with span("o_proj.input_grad", "backward"):
-            da = (dy @ weight).view(*ctx.a_shape[:2], -1, ctx.head_width)
+            da = (dy @ weight).view(*ctx.a_shape[:2], -1, ctx.head_width).to(ctx.a_dtype)
         ex.start_grad(da)
         dw = db = None
         with span("o_proj.weight_grad", "backward"):
@@ -122,19 +127,23 @@ class WaitExpand(Function):
         with span("kv_b_proj", "forward"):
             lat = full[..., :dc].contiguous()
             k_rope = full[..., dc:].contiguous()
-            kv = kv_heads(lat, weight[rows], width)
+            ctx.lat_dtype = lat.dtype  # the gradient's reduce-scatter carries full's dtype
+            lat, weight = cast_for_autocast(lat.device.type, lat, weight)
+            with autocast_off(lat.device.type):  # what autocast's F.linear computes (_amp)
+                kv = kv_heads(lat, weight[rows], width)
         ctx.ex, ctx.rows = ex, rows
         ctx.save_for_backward(lat, weight)
         return kv, k_rope
 
     @staticmethod
+    @without_autocast
     def backward(ctx: Any, dkv: Tensor, dk_rope: Tensor) -> Any:  # type: ignore[override]
         lat, weight = ctx.saved_tensors
         rows = ctx.rows
-        d2 = dkv.reshape(*dkv.shape[:2], -1)
+        d2 = dkv.reshape(*dkv.shape[:2], -1).to(lat.dtype)
         with span("kv_b_proj.input_grad", "backward"):
-            dlat = d2 @ weight[rows]
-        ctx.ex.start_grad(torch.cat([dlat, dk_rope], dim=-1))
+            dlat = (d2 @ weight[rows]).to(ctx.lat_dtype)
+        ctx.ex.start_grad(torch.cat([dlat, dk_rope.to(ctx.lat_dtype)], dim=-1))
         dw = None
         with span("kv_b_proj.weight_grad", "backward"):
             if ctx.needs_input_grad[1]:
