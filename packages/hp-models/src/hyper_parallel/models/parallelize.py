@@ -31,6 +31,7 @@ from hyper_parallel.dtensor import DeviceMesh, check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.kda import parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
+from hyper_parallel.models.checkpoint import install_save_pretrained
 from hyper_parallel.models.families import ModelFamily, family_of, role_of
 from hyper_parallel.models.fsdp import apply_fsdp, fsdp_available
 from hyper_parallel.models.loss import parallel_forward, refuse_generate
@@ -190,6 +191,7 @@ def parallelize_model(
     model.forward = parallel_forward(model.forward, sm, has_loss, _mask_override(fam))  # type: ignore[method-assign]
     if hasattr(model, "generate"):  # decoding is not split: refuse before any communication
         model.generate = refuse_generate  # type: ignore[method-assign]
+    install_save_pretrained(model)  # a plain HF folder from one rank (gathered)
     if grad_reduction == "fsdp":
         apply_fsdp(model, base, roles, sm)
     model._hp_models_plan = ParallelPlan(fam.name, sm, grad_reduction, roles)  # type: ignore[assignment]

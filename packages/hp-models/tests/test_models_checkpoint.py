@@ -1,0 +1,145 @@
+"""Checkpoints of a parallelised model, against the same training run uninterrupted:
+
+- ``model.save_pretrained(folder)`` on every rank writes, from one rank, a folder that
+  ``from_pretrained`` loads into the plain model with equal weights (both families, FSDP2 and
+  all-reduce); the other ranks write nothing;
+- the README recipe: ``torch.distributed.checkpoint`` with ``get_state_dict``/``set_state_dict``
+  saved at (cp, tp) = (2, 2) under FSDP2 and resumed at (1, 2) under the all-reduce gives the
+  next steps' losses of the uninterrupted run (model and AdamW state); the same checkpoint
+  converted offline (``dcp_to_torch_save``) to a plain Hugging Face folder; ``from_pretrained``
+  then ``parallelize_model``;
+- gradient accumulation over two micro-batches equals the serial gradient of their sum.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.dtensor import init_device_mesh, unflatten
+from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.models import parallelize_model, shard_batch, sync_gradients
+from hyper_parallel.models.testing import import_transformers, random_batch, tiny_model
+
+TOL = {"rtol": 2e-5, "atol": 2e-6}  # Kimi-Linear's KDA computes in float32
+LOAD = {"dtype": torch.float64, "experts_implementation": "eager"}  # grouped_mm: no float64
+
+
+def _mesh(cp, tp):
+    world = init_device_mesh("cpu", (cp * tp,), mesh_dim_names=("world",))
+    return unflatten(world, "world", (cp, tp), ("cp", "tp"))
+
+
+def _full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _step(model, opt, mesh, seed):
+    out = model(**shard_batch(random_batch(seq=16, seed=seed), mesh))
+    out.loss.backward()
+    sync_gradients(model)
+    opt.step()
+    opt.zero_grad()
+    return out.loss.item()
+
+
+def _plain_loss(folder, seed):
+    tf = import_transformers()
+    plain = tf.AutoModelForCausalLM.from_pretrained(folder, **LOAD)
+    return plain, plain(**random_batch(seq=16, seed=seed)).loss.item()
+
+
+def _save_side(tmp):
+    """(cp, tp) = (2, 2): accumulation, save_pretrained, DCP save, the uninterrupted steps."""
+    mesh = _mesh(2, 2)
+    rank = dist.get_rank()
+    report = {}
+    for kind, reduction in (("kimi", "auto"), ("deepseek", "allreduce")):
+        serial = tiny_model(kind, seed=0)
+        model = parallelize_model(tiny_model(kind, seed=0), mesh, grad_reduction=reduction)
+        # gradient accumulation: two half-weighted micro-batches, one sync
+        a, b = random_batch(seq=16, seed=1), random_batch(seq=16, seed=2)
+        (0.5 * serial(**a).loss + 0.5 * serial(**b).loss).backward()
+        for micro in (a, b):
+            (0.5 * model(**shard_batch(micro, mesh)).loss).backward()
+        sync_gradients(model)
+        for n, q in serial.named_parameters():
+            g = model.get_parameter(n).grad
+            assert (g is None) == (q.grad is None), n
+            if g is not None:
+                torch.testing.assert_close(_full(g), q.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt.step()
+        opt.zero_grad()
+        _step(model, opt, mesh, seed=3)
+        weights = {n: _full(p) for n, p in model.named_parameters()}
+        folder = os.path.join(tmp, f"{kind}-hf-rank{rank}")  # a folder per rank: who writes?
+        model.save_pretrained(folder)
+        report[f"{kind}_written"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        if kind == "kimi":
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp"))
+            report["losses"] = [_step(model, opt, mesh, seed=s) for s in (4, 5)]
+        if rank == 0:
+            plain, loss = _plain_loss(folder, seed=4)
+            for n, p in plain.named_parameters():
+                assert torch.equal(p.detach(), weights[n]), n
+            assert len(dict(plain.named_parameters())) == len(weights)
+            report[f"{kind}_plain_loss"] = loss
+        dist.barrier()
+    return report
+
+
+def _load_side(tmp, saved):
+    """(cp, tp) = (1, 2), all-reduce: resume from the DCP checkpoint; from_pretrained."""
+    mesh = _mesh(1, 2)
+    model = parallelize_model(tiny_model("kimi", seed=7), mesh, grad_reduction="allreduce")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=os.path.join(tmp, "dcp"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = [_step(model, opt, mesh, seed=s) for s in (4, 5)]
+    # a plain folder from save_pretrained, loaded then parallelised
+    tf = import_transformers()
+    plain = tf.AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "kimi-hf-rank0"), **LOAD)
+    again = parallelize_model(plain, mesh)
+    loss = again(**shard_batch(random_batch(seq=16, seed=4), mesh)).loss.item()
+    return {"losses": losses, "from_pretrained_loss": loss, "saved": saved}
+
+
+@pytest.mark.timeout(500)
+def test_save_pretrained_dcp_resume_on_another_mesh_and_accumulation(tmp_path):
+    tmp = str(tmp_path)
+    saved = run_distributed(_save_side, 4, tmp, timeout=400)
+    ref = saved[0]["losses"]
+    for r, rep in enumerate(saved):
+        assert rep["losses"] == ref
+        for kind in ("kimi", "deepseek"):  # only the writing rank wrote anything
+            if r == 0:
+                assert "config.json" in rep[f"{kind}_written"], rep
+                assert any(f.endswith(".safetensors") for f in rep[f"{kind}_written"]), rep
+            else:
+                assert rep[f"{kind}_written"] == [], (r, rep)
+    # the plain model from the folder computes the next step's loss of the parallel run
+    torch.testing.assert_close(saved[0]["kimi_plain_loss"], ref[0], **TOL)
+    loaded = run_distributed(_load_side, 2, tmp, None, timeout=300)
+    for rep in loaded:
+        torch.testing.assert_close(rep["losses"], ref, **TOL)
+        torch.testing.assert_close(rep["from_pretrained_loss"], ref[0], **TOL)
+    # offline: the DCP checkpoint converted to a plain Hugging Face folder (one process)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(os.path.join(tmp, "dcp"), os.path.join(tmp, "full.pt"))
+    full = torch.load(os.path.join(tmp, "full.pt"), weights_only=False)
+    plain = tiny_model("kimi", seed=11)
+    plain.load_state_dict(full["model"])
+    plain.save_pretrained(os.path.join(tmp, "converted"))
+    _, loss = _plain_loss(os.path.join(tmp, "converted"), seed=4)
+    torch.testing.assert_close(loss, ref[0], **TOL)
