@@ -290,6 +290,12 @@ def rank_hf_errors() -> dict[str, Any]:
             "hidden_width": lambda: call(m, variant, xl[..., :-1], block),
             "rope_of_full_sequence": run(position_embeddings=rope_tables(m, torch.arange(SEQ))),
             "packed": run(cu_seq_lens_q=torch.tensor([0, sl])),
+            "packed_batch": run(cu_seqlens=torch.tensor([0, 5, SEQ])),
+            "packed_order": run(cu_seqlens=torch.tensor([0, 5, 5, SEQ])),
+            "packed_start": run(cu_seqlens=torch.tensor([1, SEQ])),
+            "packed_tables_differ": lambda: call(
+                m, variant, xl[:1], block, cu_seqlens=torch.tensor([0, 5 + r, SEQ])
+            ),
             "blocks_differ": lambda: call(m, variant, xl[:, : sl - r], block[: sl - r]),
         }
         for name, fn in calls.items():

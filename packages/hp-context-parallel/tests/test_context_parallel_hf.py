@@ -115,7 +115,11 @@ HF_ERRORS = {
     "mask_2d": ("ValueError", "expected a 4-D tensor"),
     "hidden_width": ("ValueError", "hidden_states must be this rank's sequence block"),
     "rope_of_full_sequence": ("ValueError", "position_embeddings must be (cos, sin)"),
-    "packed": ("ValueError", "packed sequences (cu_seq_lens_q)"),
+    "packed": ("ValueError", "cu_seq_lens_q must end at the sequence length S=16, got 8"),
+    "packed_batch": ("ValueError", "need batch size 1"),
+    "packed_order": ("ValueError", "must be strictly increasing"),
+    "packed_start": ("ValueError", "must start at 0"),
+    "packed_tables_differ": ("ValueError", "the ranks' cu_seqlens tables differ"),
     "blocks_differ": ("ValueError", "blocks differ in (B, S/P): [(2, 8), (2, 7)]"),
     "dropout_in_training": ("ValueError", "attention dropout 0.1 is not supported"),
 }

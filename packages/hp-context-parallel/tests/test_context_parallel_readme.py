@@ -15,3 +15,8 @@ def test_readme_example_runs():
 def test_readme_hugging_face_model_example_runs():
     out = run_markdown_example(README, index=1)
     assert "max |hidden| per rank:" in out
+
+
+def test_readme_packed_documents_example_runs():
+    out = run_markdown_example(README, index=2)
+    assert "packed documents, max |out| per rank:" in out

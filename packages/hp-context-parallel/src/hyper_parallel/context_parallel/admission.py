@@ -3,12 +3,14 @@
 Every check that can reject a call runs before the first collective of the schedule. Each
 rank first judges its own call (no communication): ``hidden_states`` is ``[B, S/P, D]``,
 ``past_key_values`` is None, the attention mask is None or plain causal, the caller's
-``(cos, sin)`` cover this rank's S/P tokens, no packed-sequence arguments, no attention
-dropout in training, and no collective leaked by an earlier call of a block. Then the ranks
-agree: one small all-reduce (sum) of a ``[P, 3]`` int64 table — row r holds rank r's verdict
-code and its ``(B, S/P)`` — so that every rank raises when any rank rejects its call (a
-padding mask present on one rank's block only, a past_key_values on one rank) or when the
-ranks' blocks differ in shape, instead of some ranks entering the all-to-alls alone. This
+``(cos, sin)`` cover this rank's S/P tokens, a packed-documents table (``cu_seqlens``, or HF's
+``cu_seq_lens_q``/``cu_seq_lens_k``) if any is 1-D integer ``[0, …, S]`` strictly increasing
+with ``B == 1``, no attention dropout in training, and no collective leaked by an earlier call
+of a block. Then the ranks agree: one small all-reduce (sum) of a ``[P, 4]`` int64 table —
+row r holds rank r's verdict code, its ``(B, S/P)`` and a fingerprint of its documents table
+— so that every rank raises when any rank rejects its call (a padding mask present on one
+rank's block only, a past_key_values on one rank), when the ranks' blocks differ in shape or
+their tables differ, instead of some ranks entering the all-to-alls alone. This
 all-reduce is the only communication before the schedule; it runs on every call (P > 1) and is
 not counted by the event recorder.
 
@@ -39,25 +41,28 @@ from hyper_parallel.dtensor.consistency import consistency_enabled
 __all__ = ["admit", "check_call_consistent", "mask_problem"]
 
 # verdict codes, in priority order (the lowest non-zero code on any rank names the error)
-OK, LEAK, HIDDEN, CACHE, MASK, ROPE, PACKED, DROPOUT = range(8)
+OK, LEAK, HIDDEN, CACHE, MASK, ROPE, PACKED, DROPOUT, TABLES = range(9)
 _ERRORS: dict[int, tuple[type[Exception], str]] = {
     LEAK: (RuntimeError, "collectives launched by an earlier call were never waited"),
     HIDDEN: (ValueError, "hidden_states is not this rank's [B, S/P, hidden_size] block"),
     CACHE: (ValueError, "past_key_values is set"),
     MASK: (ValueError, "attention_mask is neither None nor plain causal"),
     ROPE: (ValueError, "position_embeddings do not cover this rank's tokens"),
-    PACKED: (ValueError, "packed-sequence arguments were passed"),
+    PACKED: (ValueError, "its cu_seqlens table is malformed"),
     DROPOUT: (ValueError, "attention dropout is active"),
+    TABLES: (ValueError, "the ranks' cu_seqlens tables differ"),
 }
-_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_TABLE_KEYS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")  # ours, then HF's flash names
 
 
 @dataclass(frozen=True)
 class Admission:
-    """What the schedule needs from an admitted call: B and S/P."""
+    """What the schedule needs from an admitted call: B, S/P and the packed documents' global
+    offsets ``[0, …, S]`` (int64, on the block's device) or None."""
 
     batch: int
     s_local: int
+    documents: Tensor | None = None
 
 
 def admit(
@@ -76,13 +81,15 @@ def admit(
     code, message = _judge(module, family, dims, call, size, rank)
     x = call.hidden_states
     b, s = _shape_or_zero(x)
+    documents = _table(call) if code == OK else None
+    mark = _fingerprint(documents)
     table: list[tuple[int, ...]]
     if size == 1:
-        table = [(code, b, s)]
+        table = [(code, b, s, mark)]
     else:
         device = x.device if isinstance(x, Tensor) else torch.device(device_type)
-        t = torch.zeros(size, 3, dtype=torch.int64, device=device)
-        t[rank] = torch.tensor([code, b, s], dtype=torch.int64)
+        t = torch.zeros(size, 4, dtype=torch.int64, device=device)
+        t[rank] = torch.tensor([code, b, s, mark], dtype=torch.int64)
         dist.all_reduce(t, group=pg)
         table = [tuple(int(v) for v in row) for row in t.tolist()]
     codes = [row[0] for row in table]
@@ -96,13 +103,67 @@ def admit(
             f"context-parallel MLA forward: rank(s) {ranks} rejected their call ({what}); "
             "no rank communicated"
         )
-    shapes = [row[1:] for row in table]
+    shapes = [row[1:3] for row in table]
     if len(set(shapes)) != 1:
         raise ValueError(
             "context-parallel MLA forward: the ranks' hidden_states blocks differ in (B, S/P): "
             f"{shapes}; every rank must hold an equal contiguous block of the same batch"
         )
-    return Admission(b, s)
+    if len({row[3] for row in table}) != 1:
+        raise ValueError(
+            "context-parallel MLA forward: the ranks' cu_seqlens tables differ (or only some "
+            "ranks passed one); every rank must pass the same global table; no rank "
+            "communicated"
+        )
+    if documents is not None:
+        documents = documents.to(device=x.device, dtype=torch.int64)
+    return Admission(b, s, documents)
+
+
+def _table(call: MLACall) -> Tensor | None:
+    """The packed documents' table of a judged call (its first table argument), or None."""
+    for key in _TABLE_KEYS:
+        value = call.kwargs.get(key)
+        if value is not None:
+            return value
+    return None
+
+
+def _fingerprint(documents: Tensor | None) -> int:
+    """A number that differs, in practice, between different tables (0: no table)."""
+    if documents is None:
+        return 0
+    values = [int(v) for v in documents.tolist()]
+    h = len(values)
+    for v in values:
+        h = (h * 1000003 + v + 1) % (1 << 61)
+    return h + 1
+
+
+def table_problem(tables: dict[str, Any], b: int, s_full: int) -> str | None:
+    """None if the given tables (``cu_seqlens`` and/or HF's ``cu_seq_lens_q``/``_k``) are one
+    valid packed-documents table for a ``[b, s_full]`` sequence, else the reason."""
+    first: list[int] | None = None
+    for key, cu in tables.items():
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 2:
+            got = tuple(cu.shape) if isinstance(cu, Tensor) else type(cu).__name__
+            return f"{key} must be a 1-D tensor [0, …, S] with at least 2 entries, got {got}"
+        if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+            return f"{key} must be an integer tensor, got {cu.dtype}"
+        values = [int(v) for v in cu.tolist()]
+        if values[0] != 0:
+            return f"{key} must start at 0, got {values[0]}"
+        if values[-1] != s_full:
+            return f"{key} must end at the sequence length S={s_full}, got {values[-1]}"
+        if any(q <= p for p, q in zip(values, values[1:])):
+            return f"{key} must be strictly increasing (every document non-empty), got {values}"
+        if first is not None and values != first:
+            return f"{' and '.join(tables)} give different tables"
+        first = values
+    if b != 1:
+        names = ", ".join(tables)
+        return f"packed documents ({names}) need batch size 1 (one packed row), got B={b}"
+    return None
 
 
 def check_call_consistent(
@@ -131,6 +192,11 @@ def check_call_consistent(
         rope_interleave=bool(getattr(config, "rope_interleave", False)),
         past_key_values=type(call.past_key_values).__name__,
         kwargs=sorted(k for k, v in call.kwargs.items() if v is not None),
+        cu_seqlens=[
+            tuple(int(v) for v in t.tolist()) if isinstance(t, Tensor) else type(t).__name__
+            for t in (call.kwargs.get(key) for key in _TABLE_KEYS)
+            if t is not None
+        ],
         training=bool(getattr(module, "training", False)),
         dropout=family.dropout(module),
         grad_enabled=torch.is_grad_enabled(),
@@ -168,9 +234,11 @@ def _judge(
         problem = _rope_problem(call.position_embeddings, x, c)
         if problem is not None:
             return ROPE, problem
-    packed = [k for k in _PACKED_KEYS if call.kwargs.get(k) is not None]
-    if packed:
-        return PACKED, f"packed sequences ({', '.join(packed)}) are not supported"
+    tables = {k: call.kwargs[k] for k in _TABLE_KEYS if call.kwargs.get(k) is not None}
+    if tables:
+        problem = table_problem(tables, x.shape[0], x.shape[1] * size)
+        if problem is not None:
+            return PACKED, problem
     p = family.dropout(module)
     if p > 0:
         return DROPOUT, (

@@ -36,6 +36,8 @@ __all__ = [
     "Rope",
     "apply_rope",
     "causal_attention",
+    "document_causal_attention",
+    "document_mask",
     "expand_kv",
     "kv_heads",
     "project_latent",
@@ -195,6 +197,29 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     sequence (query i sees keys 0..i); ``scale`` multiplies ``q·k``. -> ``[B, S, h, dv]``."""
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def document_mask(cu_seqlens: Tensor, seq_len: int, device: Any = None) -> Tensor:
+    """``[S, S]`` bool (True = attend): query ``i`` sees key ``j`` iff ``j <= i`` and both lie
+    in the same document of ``cu_seqlens`` (the global offsets ``[0, …, S]``)."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    pos = torch.arange(seq_len, device=device)
+    doc = torch.searchsorted(cu, pos, right=True)
+    return (pos[None, :] <= pos[:, None]) & (doc[None, :] == doc[:, None])
+
+
+def document_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, cu_seqlens: Tensor
+) -> Tensor:
+    """:func:`causal_attention` over packed documents: ``[B, S, h, d]`` tensors holding every
+    token of the sequence; query ``i`` sees the keys ``j <= i`` of its own document
+    (``cu_seqlens``: the documents' offsets ``[0, …, S]``, validated by the caller). The same
+    result as running :func:`causal_attention` on each document alone."""
+    mask = document_mask(cu_seqlens, q.shape[1], q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
     )
     return out.transpose(1, 2)
 

@@ -46,6 +46,7 @@ from hyper_parallel.context_parallel.mla import (
     MLAConfig,
     Rope,
     causal_attention,
+    document_causal_attention,
     expand_kv,
     kv_heads,
     project_latent,
@@ -150,7 +151,10 @@ def _run(m: Any, call: MLACall) -> Tensor:
             k_h, v_h = mark("kv_b_proj", False, k_h, v_h)
 
     q_h, k_h, v_h = mark("attention", True, q_h, k_h, v_h)
-    o_h = causal_attention(q_h, k_h, v_h, scale)
+    if adm.documents is not None:  # packed documents: the mask from the global table
+        o_h = document_causal_attention(q_h, k_h, v_h, scale, adm.documents)
+    else:
+        o_h = causal_attention(q_h, k_h, v_h, scale)
     (o_h,) = mark("attention", False, o_h)
     eo = a2a("o", "h2s")
     if st.overlap:
@@ -274,6 +278,16 @@ def parallelize_mla(
     ``KimiLinearAttention`` has none. Softmax scale: ``module.scaling`` for the HF modules.
     ``attention_mask`` must be None or plain causal and ``past_key_values`` None (every rank
     checks and the ranks agree before the first collective: ``ValueError`` on every rank).
+
+    Packed documents (HF modules): ``cu_seqlens`` (1-D integer, the global document offsets
+    ``[0, …, S]``, identical on every rank, ``B == 1``; Hugging Face's ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k``, equal, are taken as the same table) makes the attention after the
+    exchange document-causal in both strategies: query ``i`` sees the keys ``j <= i`` of its
+    own document, the serial module run on each document alone (the caller's
+    ``position_embeddings`` come from per-document positions). The exchanges are unchanged.
+    A table not starting at 0, not ending at S, not strictly increasing, given with
+    ``B > 1``, or differing across ranks raises ``ValueError`` on every rank, before the
+    schedule's first collective.
 
     ``strategy``: ``"expanded"`` (a2a of Q, K and V) or ``"latent"`` (a2a of Q, all-gather of
     the ``kv_lora_rank + qk_rope_head_dim`` latent). ``overlap``: overlap collectives with
