@@ -1,6 +1,8 @@
 """The harness itself: results by rank, a raising rank surfaces its traceback, a hang fails
-within the timeout instead of blocking the test run."""
+within the timeout instead of blocking the test run; ranks start with the caller's modules
+already imported by the fork server."""
 
+import multiprocessing as mp
 import os
 import time
 
@@ -9,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.dtensor.testing import DistributedTimeout, RankFailure, run_distributed
+
+_IMPORTED_BY = os.getpid()  # the process that imported this module
 
 
 def _rank_and_sum(offset):
@@ -62,3 +66,21 @@ def test_hanging_rank_fails_within_timeout():
 def test_bad_world_size_is_rejected(bad):
     with pytest.raises(ValueError, match="world_size"):
         run_distributed(_rank_and_sum, bad, 0)
+
+
+def _who_imported():
+    return _IMPORTED_BY, os.getpid(), os.getppid(), os.environ.get("HP_TEST_PRELOAD")
+
+
+@pytest.mark.skipif(
+    "forkserver" not in mp.get_all_start_methods(), reason="ranks are spawned: nothing preloaded"
+)
+def test_fork_server_preloads_the_callers_modules_and_names_them_to_nobody_else():
+    """The test module (and everything the caller imported from outside the installation) is
+    imported once, by the fork server, not again by every rank; the variable naming the
+    modules reaches neither the ranks nor the caller's environment."""
+    for imported_by, pid, parent, leaked in run_distributed(_who_imported, 2, timeout=60):
+        assert imported_by != pid, "the rank imported the test module itself"
+        assert imported_by == parent, "not imported by the fork server the rank came from"
+        assert leaked is None
+    assert "HP_TEST_PRELOAD" not in os.environ

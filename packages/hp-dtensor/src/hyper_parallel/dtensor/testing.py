@@ -145,14 +145,80 @@ def _rank_main(
         queue.put((rank, type(exc).__name__, traceback.format_exc()))
 
 
+PRELOAD_ENV = "HP_TEST_PRELOAD"
+"""Set by the harness while its fork server starts: JSON ``{"sys_path": [...], "modules":
+[...]}``, the caller's import path and the modules to import before forking any rank."""
+
+
+def _local_modules() -> list[str]:
+    """Modules the caller has imported from outside the interpreter's installation (test
+    modules, their helpers, editable sources) plus every ``hyper_parallel`` module: what a rank
+    would otherwise import again when it unpickles ``fn``."""
+    prefixes = tuple(
+        os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    )
+    names = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name in ("__main__", "__mp_main__") or name.startswith(
+            ("_pytest", "pytest", "conftest", "torch")
+        ):
+            continue
+        if name.startswith("hyper_parallel.") or (
+            path and not os.path.realpath(path).startswith(prefixes)
+        ):
+            names.append(name)
+    return sorted(names)
+
+
+def _preload_in_fork_server() -> None:
+    """Inside the fork server (``hyper_parallel.dtensor._preload``): import what the caller
+    named in :data:`PRELOAD_ENV`, on the caller's path (the fork server does not get it from
+    multiprocessing before Python 3.13); a module that fails here is imported by the rank."""
+    import importlib
+    import json
+
+    spec = json.loads(os.environ.pop(PRELOAD_ENV, "{}"))
+    for entry in reversed(spec.get("sys_path", [])):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    for name in spec.get("modules", []):
+        try:
+            importlib.import_module(name)
+        except BaseException:  # the rank imports it itself, and reports what fails
+            pass
+
+
 def _context() -> Any:
     # A fork server that has already imported torch starts ranks in a fraction of the
     # time a fresh interpreter needs; it never runs torch ops itself, so forking it is safe.
+    # It also imports the caller's modules (see _local_modules): a rank then unpickles ``fn``
+    # without importing its test module, transformers and the layers again (seconds of CPU
+    # per rank). The list is fixed when the fork server starts, at the first run: under pytest
+    # that is after collection, when every test module is imported.
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", f"{__package__}._preload"])
         return ctx
     return mp.get_context("spawn")
+
+
+_preload_spec: list[str] = []  # the JSON for the fork server, computed at the first start
+
+
+def _start(procs: list[Any]) -> None:
+    """Start the ranks. The first start launches the fork server, which reads the caller's
+    path and modules from :data:`PRELOAD_ENV`, set only meanwhile (nothing else inherits it)."""
+    import json
+
+    if not _preload_spec:
+        _preload_spec.append(json.dumps({"sys_path": sys.path, "modules": _local_modules()}))
+    os.environ[PRELOAD_ENV] = _preload_spec[0]
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.pop(PRELOAD_ENV, None)
 
 
 def run_distributed(
@@ -200,8 +266,7 @@ def _run_once(
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    _start(procs)
 
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
