@@ -200,8 +200,13 @@ def pins(session: nox.Session) -> None:
                 *[Path(w).name.split("-")[0].replace("_", "-") for w in wheels],
                 external=True, env={"PIP_CONSTRAINT": "", "PIP_FIND_LINKS": ""})  # fmt: skip
     session.run(py, "-m", "pip", "check", external=True)
-    modules = ", ".join(p.module for p in pkgs.packages())
-    session.run(py, "-c", f"import {modules}; print('every package imports')", external=True)
+    # every package imports, and from the wheel installed in the offline venv
+    imports = ("import importlib, os, sys\n"
+               f"for name in {[p.module for p in pkgs.packages()]!r}:\n"
+               "    where = os.path.realpath(importlib.import_module(name).__file__)\n"
+               "    assert where.startswith(os.path.realpath(sys.prefix) + os.sep), where\n"
+               "print('every package imports from its wheel')")  # fmt: skip
+    session.run(py, "-c", imports, external=True)
 
 
 @nox.session(venv_params=_venv_params())
