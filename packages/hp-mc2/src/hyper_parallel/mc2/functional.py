@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.mc2._amp import autocast_off, cast_for_autocast, without_autocast
 from hyper_parallel.mc2._chunked import (
     gather_matmuls,
     matmul_reduce_scatter_bwd,
@@ -77,6 +78,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         weight, *parts = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -134,6 +136,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, weight = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -200,10 +203,12 @@ def _column(
     context: dict[str, Any] | None = None,
     what: str | None = None,
 ) -> torch.Tensor:
+    x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
     choice, chunks = _prepare(
         "all_gather_matmul", x, weight, group, bias, backend, chunks, context, what
     )
-    return _AllGatherMatmul.apply(x, weight, bias, group, choice, chunks)
+    with autocast_off(x.device.type):
+        return _AllGatherMatmul.apply(x, weight, bias, group, choice, chunks)
 
 
 def _row(
@@ -216,10 +221,12 @@ def _row(
     context: dict[str, Any] | None = None,
     what: str | None = None,
 ) -> torch.Tensor:
+    x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
     choice, chunks = _prepare(
         "matmul_reduce_scatter", x, weight, group, bias, backend, chunks, context, what
     )
-    return _MatmulReduceScatter.apply(x, weight, bias, group, choice, chunks)
+    with autocast_off(x.device.type):
+        return _MatmulReduceScatter.apply(x, weight, bias, group, choice, chunks)
 
 
 def all_gather_matmul(

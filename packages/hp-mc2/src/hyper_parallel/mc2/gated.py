@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.mc2._amp import autocast_off, cast_for_autocast, without_autocast
 from hyper_parallel.mc2._chunked import (
     gather_matmuls,
     matmul_reduce_scatter_bwd,
@@ -131,6 +132,7 @@ class _GatedMLP(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         if not hasattr(ctx, "g"):
             raise RuntimeError(
@@ -335,8 +337,8 @@ def run_gated_mlp(
 ) -> torch.Tensor:
     """:func:`gated_mlp` with ``context``: the calling module's own fields, compared (with the
     checks on) in the same one collective as the call's, which ``what`` names."""
-    wg, wu, wd = weights
-    bg, bu, bd = biases
+    # under autocast: the operands in its dtype, the function itself with autocast off (_amp)
+    x, wg, wu, wd, bg, bu, bd = cast_for_autocast(x.device.type, x, *weights, *biases)
     ws = dist.get_world_size(group)
     validate_gated_operands(x, wg, wu, wd, bg, bu, bd, act_fn, ws, backend, chunks)
     choice, _ = select_gated_backend(x, wg, wd, group, backend)
@@ -347,4 +349,5 @@ def run_gated_mlp(
             group, what, **(context or {}), x=x, gate_weight=wg, up_weight=wu,
             down_weight=wd, biases=(bg, bu, bd), backend=choice, chunks=chunks, world_size=ws,
         )  # fmt: skip
-    return _GatedMLP.apply(x, wg, wu, wd, bg, bu, bd, act_fn, group, choice, chunks)
+    with autocast_off(x.device.type):
+        return _GatedMLP.apply(x, wg, wu, wd, bg, bu, bd, act_fn, group, choice, chunks)

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyper_parallel.dtensor import check_consistent, check_rank_order
 from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.mc2._amp import cast_for_autocast
 from hyper_parallel.mc2.activation import check_elementwise_activation
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
 from hyper_parallel.mc2.gated import run_gated_mlp
@@ -62,6 +63,8 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up, down = (getattr(self, n) for n in (plan.gate, plan.up, plan.down))
     wg, wu, wd = _local(gate.weight), _local(up.weight), _local(down.weight)
     bg, bu, bd = _local(gate.bias), _local(up.bias), _local(down.bias)
+    if isinstance(x, torch.Tensor):  # under autocast: the dtypes F.linear would compute in
+        x, wg, wu, wd, bg, bu, bd = cast_for_autocast(x.device.type, x, wg, wu, wd, bg, bu, bd)
     seq = _check_input(x, wg, plan.sequence_dim)
     # Sequence first, so each rank's tokens are one contiguous block of rows.
     xs = x.movedim(seq, 0)
