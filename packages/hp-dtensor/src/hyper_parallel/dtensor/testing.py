@@ -182,6 +182,17 @@ def _preload_in_fork_server() -> None:
     for entry in reversed(spec.get("sys_path", [])):
         if entry not in sys.path:
             sys.path.insert(0, entry)
+    if spec.get("main_path"):  # a script's ``fn``: each rank would run the script's top again
+        from multiprocessing import process, spawn
+
+        me = process.current_process()
+        setattr(me, "_inheriting", True)  # noqa: B010 - as multiprocessing's own preload does
+        try:
+            spawn.import_main_path(spec["main_path"])
+        except BaseException:
+            pass
+        finally:
+            delattr(me, "_inheriting")
     for name in spec.get("modules", []):
         try:
             importlib.import_module(name)
@@ -212,7 +223,12 @@ def _start(procs: list[Any]) -> None:
     import json
 
     if not _preload_spec:
-        _preload_spec.append(json.dumps({"sys_path": sys.path, "modules": _local_modules()}))
+        from multiprocessing import spawn
+
+        # the script a rank would run as __mp_main__ (none under pytest: a module)
+        main_path = spawn.get_preparation_data("rank").get("init_main_from_path")
+        spec = {"sys_path": sys.path, "modules": _local_modules(), "main_path": main_path}
+        _preload_spec.append(json.dumps(spec))
     os.environ[PRELOAD_ENV] = _preload_spec[0]
     try:
         for p in procs:
