@@ -16,6 +16,10 @@ with ``set_gradient_divide_factor(1.0)`` (sum; ``set_force_sum_reduction_for_com
 collective a plain SUM, which every backend, gloo included, has) and
 ``set_reduce_scatter_unused_params(True)`` (an MoE expert that no token of this rank's block
 reached still joins the reduce-scatter, with zeros, so every rank issues the same collectives).
+A ``MixedPrecisionPolicy`` (``mp_policy``) goes to every ``fully_shard``: e.g. float32 master
+weights, ``param_dtype=torch.bfloat16`` (each block's parameters are all-gathered and computed
+in bf16, its floating inputs cast to bf16) and ``reduce_dtype=torch.float32`` (gradients summed
+in float32 into the float32 shards).
 Parameters become DTensors sharded over those meshes (FSDP2's usual ZeRO-3 layout): build the
 optimizer after ``parallelize_model``; ``p.full_tensor()`` gives a whole parameter or gradient.
 """
@@ -24,11 +28,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from hyper_parallel.models.mesh import SequenceMesh
 
-__all__ = ["apply_fsdp", "fsdp_available"]
+__all__ = ["apply_fsdp", "check_mp_policy", "fsdp_available"]
 
 
 def _fsdp() -> Any:
@@ -48,18 +53,49 @@ def fsdp_available() -> bool:
     return _fsdp() is not None
 
 
-def apply_fsdp(model: nn.Module, base: nn.Module, roles: dict[str, str], sm: SequenceMesh) -> None:
-    """Wrap the blocks of an already parallelised ``model`` (see the module docstring)."""
+def check_mp_policy(mp_policy: Any, grad_reduction: str) -> None:
+    """``mp_policy`` must be None or a ``torch.distributed.fsdp.MixedPrecisionPolicy``, and
+    needs FSDP2 (``grad_reduction`` ``"fsdp"``, or ``"auto"`` where FSDP2 is available): with
+    ``"allreduce"`` nothing would apply it, so it is refused (``ValueError``) rather than
+    ignored. Collective-free and the same on every rank."""
+    if mp_policy is None:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # torch >= 2.6
+
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            "mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
+            f"{type(mp_policy).__name__}"
+        )
+    if grad_reduction == "allreduce" or not fsdp_available():
+        raise ValueError(
+            "mp_policy is FSDP2's mixed precision and needs grad_reduction='fsdp' (FSDP2 with "
+            f"set_gradient_divide_factor, torch 2.13); got grad_reduction={grad_reduction!r} "
+            "on torch " + torch.__version__ + ". For bf16 compute without FSDP2, run the "
+            "forward under torch.autocast instead"
+        )
+
+
+def apply_fsdp(
+    model: nn.Module,
+    base: nn.Module,
+    roles: dict[str, str],
+    sm: SequenceMesh,
+    mp_policy: Any = None,
+) -> None:
+    """Wrap the blocks of an already parallelised ``model`` (see the module docstring), each
+    with ``mp_policy`` (a ``MixedPrecisionPolicy``; None: FSDP2's default, no casting)."""
     fully_shard = _fsdp()
     if fully_shard is None:
         raise RuntimeError("this torch's FSDP2 cannot sum gradients with unused parameters")
+    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
     wrapped = []
     for path, role in roles.items():
         if role == "dense_mlp":
-            wrapped.append(fully_shard(base.get_submodule(path), mesh=sm.cp))
+            wrapped.append(fully_shard(base.get_submodule(path), mesh=sm.cp, **kw))
     for layer in base.get_submodule("layers").children():
-        wrapped.append(fully_shard(layer, mesh=sm.flat))
-    wrapped.append(fully_shard(model, mesh=sm.flat))
+        wrapped.append(fully_shard(layer, mesh=sm.flat, **kw))
+    wrapped.append(fully_shard(model, mesh=sm.flat, **kw))
     for module in wrapped:
         module.set_gradient_divide_factor(1.0)
         module.set_reduce_scatter_unused_params(True, recurse=False)

@@ -33,7 +33,7 @@ from hyper_parallel.kda import parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
 from hyper_parallel.models.checkpoint import install_save_pretrained
 from hyper_parallel.models.families import ModelFamily, family_of, role_of
-from hyper_parallel.models.fsdp import apply_fsdp, fsdp_available
+from hyper_parallel.models.fsdp import apply_fsdp, check_mp_policy, fsdp_available
 from hyper_parallel.models.loss import parallel_forward, refuse_generate
 from hyper_parallel.models.mesh import SequenceMesh, check_mesh, sequence_mesh
 
@@ -125,6 +125,7 @@ def parallelize_model(
     overlap: bool = True,
     kda_protocol: str = "auto",
     grad_reduction: str = "auto",
+    mp_policy: Any = None,
 ) -> nn.Module:
     """Parallelise a stock ``KimiLinearForCausalLM``/``KimiLinearModel`` or
     ``DeepseekV3ForCausalLM``/``DeepseekV3Model`` in place over the 2-D ``mesh`` with dims
@@ -147,6 +148,14 @@ def parallelize_model(
     mesh; ``"auto"`` picks ``"fsdp"`` where this torch's FSDP2 supports it (torch 2.13).
     Either way, build the optimizer after this call.
 
+    ``mp_policy``: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` handed to every
+    ``fully_shard`` (with ``grad_reduction="fsdp"``/``"auto"`` on FSDP2; with ``"allreduce"``
+    it raises ``ValueError``, with another type ``TypeError``). The usual recipe: float32
+    weights (the master copy), ``param_dtype=torch.bfloat16`` (compute in bf16),
+    ``reduce_dtype=torch.float32`` (gradients summed in float32). ``torch.autocast`` around
+    the forward works in either mode: every layer computes in the dtypes autocast gives the
+    serial module (KDA keeps its state in float32).
+
     Raised on every rank alike, before any communication: ``TypeError`` for an unsupported model
     (naming the supported classes) or option type; ``ValueError`` for a mesh without dims
     ``("cp", "tp")``, MLA heads not divisible by ``cp·tp`` or an unknown option;
@@ -161,6 +170,7 @@ def parallelize_model(
     the flattened mesh, and every layer makes its own checks.
     """
     fam, base, roles = _validate(model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction)
+    check_mp_policy(mp_policy, grad_reduction)
     if grad_reduction == "auto":
         grad_reduction = "fsdp" if fsdp_available() else "allreduce"
     if consistency_enabled():  # sequence_mesh creates process groups (every process joins)
@@ -177,6 +187,7 @@ def parallelize_model(
             overlap=overlap,
             kda_protocol=kda_protocol,
             grad_reduction=grad_reduction,
+            mp_policy=repr(mp_policy),
         )
     sm = sequence_mesh(mesh)
     for path, role in roles.items():
@@ -193,6 +204,6 @@ def parallelize_model(
         model.generate = refuse_generate  # type: ignore[method-assign]
     install_save_pretrained(model)  # a plain HF folder from one rank (gathered)
     if grad_reduction == "fsdp":
-        apply_fsdp(model, base, roles, sm)
+        apply_fsdp(model, base, roles, sm, mp_policy)
     model._hp_models_plan = ParallelPlan(fam.name, sm, grad_reduction, roles)  # type: ignore[assignment]
     return model
