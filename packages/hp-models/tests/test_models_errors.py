@@ -38,6 +38,10 @@ def _bad_inputs():
     errors["grad_reduction"] = _error(
         lambda: parallelize_model(tiny_model("kimi"), mesh, grad_reduction="ddp")
     )
+    dp_mesh = unflatten(world, "world", (2, 1, 1), ("dp", "cp", "tp"))
+    errors["dp_rows"] = _error(lambda: shard_batch(random_batch(bsz=3, seq=16), dp_mesh))
+    bad_3d = unflatten(world, "world", (1, 2, 1), ("cp", "dp", "tp"))
+    errors["3d_names"] = _error(lambda: parallelize_model(tiny_model("kimi"), bad_3d))
     batch = random_batch(seq=16)
     errors["seq"] = _error(lambda: shard_batch(random_batch(seq=15), mesh))
     padded = {**batch, "attention_mask": torch.ones(2, 16, dtype=torch.long)}
@@ -69,6 +73,8 @@ EXPECTED = {
     "strategy": ("ValueError", "mla_strategy must be one of"),
     "grad_reduction": ("ValueError", "grad_reduction must be one of"),
     "seq": ("ValueError", "T=15 is not divisible by cp·tp"),
+    "dp_rows": ("ValueError", "batch size B=3 is not divisible by dp = 2"),
+    "3d_names": ("ValueError", "or 3-D with dims ('dp', 'cp', 'tp')"),
     "padding": ("ValueError", "padding is not supported under context parallelism"),
     "twice": ("RuntimeError", "already applied"),
     "use_cache": ("ValueError", "use_cache=True is not supported"),

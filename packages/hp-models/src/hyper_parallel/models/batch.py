@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from hyper_parallel.dtensor import DeviceMesh, all_gather_single, check_consistent
-from hyper_parallel.models.mesh import check_mesh, sequence_mesh
+from hyper_parallel.models.mesh import check_mesh, cp_tp, sequence_mesh
 
 __all__ = ["IGNORE_INDEX", "gather_sequence", "shard_batch"]
 
@@ -37,8 +37,13 @@ def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]
     ``IGNORE_INDEX``), plus ``labels`` (the same tensor; Hugging Face computes a loss only when
     ``labels`` is given and then uses ``shift_labels`` as the targets).
 
+    On a 3-D ``("dp", "cp", "tp")`` mesh the rank at dp coordinate ``d`` first takes rows
+    ``[d·B/dp, (d+1)·B/dp)`` (``B % dp == 0``), then its sequence block of those: every
+    returned tensor is ``[B/dp, S]``.
+
     ``ValueError`` (on every rank alike): missing or non-2-D ``input_ids``, shapes that differ,
-    ``T % (cp·tp) != 0``, an attention mask with zeros, unknown keys; plus the mesh checks.
+    ``T % (cp·tp) != 0``, ``B % dp != 0``, an attention mask with zeros, unknown keys; plus the
+    mesh checks.
     """
     check_mesh(mesh)
     unknown = sorted(set(batch) - set(_KNOWN))
@@ -48,11 +53,18 @@ def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]
     if not isinstance(ids, Tensor) or ids.dim() != 2:
         raise ValueError("shard_batch needs input_ids as a [B, T] tensor")
     bsz, seq = ids.shape
-    p = mesh.size()
+    cp, tp = cp_tp(mesh)
+    p = cp * tp
     if seq % p:
         raise ValueError(
-            f"sequence length T={seq} is not divisible by cp·tp = {mesh.size(0)}·"
-            f"{mesh.size(1)} = {p}; pad or cut the batch to a multiple of {p}"
+            f"sequence length T={seq} is not divisible by cp·tp = {cp}·{tp} = {p}; pad or cut "
+            f"the batch to a multiple of {p}"
+        )
+    dp = mesh.size(0) if mesh.ndim == 3 else 1
+    if bsz % dp:
+        raise ValueError(
+            f"batch size B={bsz} is not divisible by dp = {dp}: each data-parallel rank takes "
+            "B/dp rows"
         )
     for key in ("labels", "attention_mask"):
         t = batch.get(key)
@@ -77,15 +89,17 @@ def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]
     block = sequence_mesh(mesh).block
     s = seq // p
     cols = slice(block * s, (block + 1) * s)
+    d = (mesh.get_coordinate() or [0])[0] if dp > 1 else 0
+    rows = slice(d * (bsz // dp), (d + 1) * (bsz // dp))  # this dp rank's share of the batch
     local: dict[str, Tensor] = {
-        "input_ids": ids[:, cols].contiguous(),
-        "position_ids": pos.expand(bsz, seq)[:, cols].contiguous(),
+        "input_ids": ids[rows, cols].contiguous(),
+        "position_ids": pos.expand(bsz, seq)[rows, cols].contiguous(),
     }
     labels = batch.get("labels")
     if labels is not None:
         shifted = torch.full_like(labels, IGNORE_INDEX)
         shifted[:, :-1] = labels[:, 1:]
-        local["shift_labels"] = shifted[:, cols].contiguous()
+        local["shift_labels"] = shifted[rows, cols].contiguous()
         local["labels"] = local["shift_labels"]
     return local
 

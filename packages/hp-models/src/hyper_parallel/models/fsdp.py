@@ -20,6 +20,9 @@ A ``MixedPrecisionPolicy`` (``mp_policy``) goes to every ``fully_shard``: e.g. f
 weights, ``param_dtype=torch.bfloat16`` (each block's parameters are all-gathered and computed
 in bf16, its floating inputs cast to bf16) and ``reduce_dtype=torch.float32`` (gradients summed
 in float32 into the float32 shards).
+On a (dp, cp, tp) mesh the dense MLPs use HSDP over ``(dp, cp)`` (replicated over dp,
+sharded over cp: FSDP2 all-reduces their gradients over dp) and the rest FSDP over every rank
+(``dp·cp·tp``), so the sums include the other data-parallel replicas' rows.
 Parameters become DTensors sharded over those meshes (FSDP2's usual ZeRO-3 layout): build the
 optimizer after ``parallelize_model``; ``p.full_tensor()`` gives a whole parameter or gradient.
 """
@@ -92,10 +95,10 @@ def apply_fsdp(
     wrapped = []
     for path, role in roles.items():
         if role == "dense_mlp":
-            wrapped.append(fully_shard(base.get_submodule(path), mesh=sm.cp, **kw))
+            wrapped.append(fully_shard(base.get_submodule(path), mesh=sm.fsdp_mlp_mesh, **kw))
     for layer in base.get_submodule("layers").children():
-        wrapped.append(fully_shard(layer, mesh=sm.flat, **kw))
-    wrapped.append(fully_shard(model, mesh=sm.flat, **kw))
+        wrapped.append(fully_shard(layer, mesh=sm.fsdp_mesh, **kw))
+    wrapped.append(fully_shard(model, mesh=sm.fsdp_mesh, **kw))
     for module in wrapped:
         module.set_gradient_divide_factor(1.0)
         module.set_reduce_scatter_unused_params(True, recurse=False)

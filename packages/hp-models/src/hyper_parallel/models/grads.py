@@ -12,10 +12,14 @@ tokens' share of the loss:
   because hp-mc2's backward works on the gradient gathered over ``tp`` (the whole ``cp``
   chunk): summed over ``cp`` only.
 
+On a (dp, cp, tp) mesh both sums also run over ``dp`` (the other replicas' rows): whole
+parameters over every rank, tp parameters over ``cp`` then ``dp``.
+
 Gradients are packed into one flat buffer per (group, dtype) and reduced with one
-``all_reduce`` each. Which parameters have a gradient may differ by rank (an MoE expert that no
-token of this rank's block was routed to): a flag vector is all-reduced first, so every rank
-sends the same buffers, and a parameter no rank touched keeps ``grad = None``.
+``all_reduce`` each (two for tp parameters with dp > 1). Which parameters have a gradient may
+differ by rank (an MoE expert that no token of this rank's block was routed to): a flag vector
+is all-reduced first, so every rank sends the same buffers, and a parameter no rank touched
+keeps ``grad = None``.
 """
 
 from __future__ import annotations
@@ -59,9 +63,10 @@ def sync_gradients(model: nn.Module) -> None:
         return  # FSDP2 summed the gradients during backward (reduce-scatter, divide factor 1)
     sm: SequenceMesh = plan.mesh
     params = [p for p in model.parameters() if p.requires_grad]
-    if consistency_enabled() and sm.size > 1:
+    everyone = sm.batch  # every rank holding a share of the global batch
+    if consistency_enabled() and everyone.size() > 1:
         check_consistent(
-            sm.flat.get_group(),
+            everyone.get_group(),
             "sync_gradients",
             params=[_local(p) for p in params],
             grad_reduction=plan.grad_reduction,
@@ -70,12 +75,14 @@ def sync_gradients(model: nn.Module) -> None:
         return
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
     dev = _local(params[0]).device
-    if sm.size > 1:
+    if everyone.size() > 1:
         has = has.to(dev)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=sm.flat.get_group())
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=everyone.get_group())
         has = has.cpu()
-    groups: dict[str, Any] = {"world": sm.flat.get_group(), "cp": sm.cp.get_group()}
-    sizes = {"world": sm.size, "cp": sm.cp.size()}
+    groups: dict[str, list[Any]] = {
+        "world": [everyone],
+        "cp": [sm.cp] if sm.dp is None else [sm.cp, sm.dp],
+    }
     buckets: dict[tuple[str, torch.dtype, torch.device], list[Tensor]] = {}
     for p, flag in zip(params, has.tolist()):
         if not flag:
@@ -86,10 +93,12 @@ def sync_gradients(model: nn.Module) -> None:
         key = (_group_key(p), g.dtype, g.device)
         buckets.setdefault(key, []).append(g)
     for (name, _, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        if sizes[name] == 1:
+        meshes = [m for m in groups[name] if m.size() > 1]
+        if not meshes:
             continue
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=groups[name])
+        for m in meshes:
+            dist.all_reduce(flat, group=m.get_group())
         offset = 0
         for g in grads:
             n = g.numel()

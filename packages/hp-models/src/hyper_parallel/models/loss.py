@@ -43,9 +43,9 @@ class _SumShares(torch.autograd.Function):
 
 def global_loss(share: Tensor, sm: SequenceMesh) -> Tensor:
     """The global loss from this rank's share (see the module docstring)."""
-    if sm.size == 1:
+    if sm.batch.size() == 1:  # sm.batch: every rank of the global batch (dp·cp·tp)
         return share
-    return _SumShares.apply(share, sm.flat.get_group())
+    return _SumShares.apply(share, sm.batch.get_group())
 
 
 def global_mean_loss(local_sum: Tensor, local_count: Tensor | int, mesh: Any) -> Tensor:
@@ -67,8 +67,8 @@ def global_mean_loss(local_sum: Tensor, local_count: Tensor | int, mesh: Any) ->
     if count.dim() != 0:
         raise ValueError("global_mean_loss: local_count must be a number or a 0-d tensor")
     count = count.clone()
-    if sm.size > 1:
-        dist.all_reduce(count, group=sm.flat.get_group())
+    if sm.batch.size() > 1:
+        dist.all_reduce(count, group=sm.batch.get_group())
     if not bool(count > 0):
         raise ValueError("global_mean_loss: no token in the whole batch entered the loss")
     return global_loss(local_sum / count.to(local_sum.dtype), sm)
@@ -181,8 +181,8 @@ def parallel_forward(
         targets = kwargs.get("shift_labels") if has_loss else None
         if targets is not None and kwargs.get("labels") is not None:
             count = (targets != IGNORE_INDEX).sum()  # int64: the loss keeps its dtype
-            if sm.size > 1:
-                dist.all_reduce(count, group=sm.flat.get_group())
+            if sm.batch.size() > 1:
+                dist.all_reduce(count, group=sm.batch.get_group())
             kwargs["num_items_in_batch"] = count
         out = original(**kwargs)
         if targets is None or kwargs.get("labels") is None:

@@ -4,6 +4,10 @@ A sequence of ``T`` tokens is cut into ``cp·tp`` equal contiguous blocks; the r
 coordinates ``(c, t)`` holds block ``b = c·tp + t``. The 1-D mesh ``flatten(mesh)`` (dim
 ``"cp_tp"``) lists the ranks in block order, so slot ``b`` of that mesh holds block ``b``, and
 the ``tp`` ranks of one ``c`` together hold the contiguous chunk ``c`` of ``T/cp`` tokens.
+
+A 3-D mesh ``("dp", "cp", "tp")`` adds data parallelism: the ``cp·tp`` ranks of one ``dp``
+coordinate ``d`` are one such (cp, tp) mesh and hold rows ``[d·B/dp, (d+1)·B/dp)`` of the
+global batch; ``whole`` = ``flatten(mesh)`` (dim ``"dp_cp_tp"``) is every rank of the job.
 """
 
 from __future__ import annotations
@@ -12,39 +16,74 @@ from dataclasses import dataclass
 
 from hyper_parallel.dtensor import DeviceMesh, flatten
 
-__all__ = ["SequenceMesh", "sequence_mesh"]
+__all__ = ["SequenceMesh", "cp_tp", "sequence_mesh"]
 
 MESH_DIMS = ("cp", "tp")
+DP_MESH_DIMS = ("dp", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class SequenceMesh:
-    """The meshes one parallelised model uses: ``mesh`` (cp, tp), ``tp`` = ``mesh["tp"]``,
-    ``cp`` = ``mesh["cp"]``, ``flat`` = ``flatten(mesh)`` (block order), and this rank's
-    ``block`` index in ``[0, cp·tp)``."""
+    """The meshes one parallelised model uses: ``mesh`` (cp, tp) or (dp, cp, tp), ``tp`` =
+    ``mesh["tp"]``, ``cp`` = ``mesh["cp"]``, ``flat`` = the (cp, tp) ranks flattened (block
+    order), this rank's ``block`` index in ``[0, cp·tp)``; with a ``dp`` dim, ``dp`` =
+    ``mesh["dp"]``, ``dp_cp`` = ``mesh["dp", "cp"]`` and ``whole`` = ``flatten(mesh)``."""
 
     mesh: DeviceMesh
     cp: DeviceMesh
     tp: DeviceMesh
     flat: DeviceMesh
     block: int
+    dp: DeviceMesh | None = None
+    dp_cp: DeviceMesh | None = None
+    whole: DeviceMesh | None = None
 
     @property
     def size(self) -> int:
-        return self.mesh.size()
+        """``cp·tp``: the ranks that share one sequence."""
+        return self.flat.size()
+
+    @property
+    def batch(self) -> DeviceMesh:
+        """The 1-D mesh of every rank holding a share of one global batch (dp·cp·tp ranks):
+        the loss's token count and sum run over it."""
+        return self.whole if self.whole is not None else self.flat
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.dp is None else self.dp.size()
+
+    @property
+    def fsdp_mlp_mesh(self) -> DeviceMesh:
+        """FSDP2's mesh for a dense MLP (its weights are tp shards): ``cp``, or HSDP over
+        ``(dp, cp)`` (replicated over dp, sharded over cp)."""
+        return self.cp if self.dp_cp is None else self.dp_cp
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP2's mesh for the whole-on-every-rank parameters: every rank (``batch``)."""
+        return self.batch
 
 
 def check_mesh(mesh: object) -> DeviceMesh:
-    """``TypeError`` unless a DeviceMesh; ``ValueError`` unless 2-D with dims ("cp", "tp")."""
+    """``TypeError`` unless a DeviceMesh; ``ValueError`` unless its dims are ("cp", "tp") or
+    ("dp", "cp", "tp")."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+    if tuple(mesh.mesh_dim_names or ()) not in (MESH_DIMS, DP_MESH_DIMS):
         raise ValueError(
             f"mesh must be 2-D with dims named {MESH_DIMS} (cp outer, tp inner; sizes may be "
-            f"1), got a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}; build it with "
+            f"1) or 3-D with dims {DP_MESH_DIMS} (data parallel outermost), got a "
+            f"{mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}; build it with "
             "hyper_parallel.dtensor.unflatten(world_mesh, 'world', (cp, tp), ('cp', 'tp'))"
         )
     return mesh
+
+
+def cp_tp(mesh: DeviceMesh) -> tuple[int, int]:
+    """``(cp, tp)`` sizes of a checked mesh (2-D or 3-D)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    return mesh.size(names.index("cp")), mesh.size(names.index("tp"))
 
 
 def sequence_mesh(mesh: DeviceMesh) -> SequenceMesh:
@@ -54,6 +93,18 @@ def sequence_mesh(mesh: DeviceMesh) -> SequenceMesh:
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError("this rank is not part of the mesh")
+    if mesh.ndim == 3:  # (dp, cp, tp): the (cp, tp) mesh of this dp coordinate
+        c, t = coord[1:]
+        return SequenceMesh(
+            mesh=mesh,
+            cp=mesh["cp"],
+            tp=mesh["tp"],
+            flat=flatten(mesh["cp", "tp"]),
+            block=c * mesh.size(2) + t,
+            dp=mesh["dp"],
+            dp_cp=mesh["dp", "cp"],
+            whole=flatten(mesh),
+        )
     c, t = coord
     return SequenceMesh(
         mesh=mesh,

@@ -35,7 +35,7 @@ from hyper_parallel.models.checkpoint import install_save_pretrained
 from hyper_parallel.models.families import ModelFamily, family_of, role_of
 from hyper_parallel.models.fsdp import apply_fsdp, check_mp_policy, fsdp_available
 from hyper_parallel.models.loss import parallel_forward, refuse_generate
-from hyper_parallel.models.mesh import SequenceMesh, check_mesh, sequence_mesh
+from hyper_parallel.models.mesh import SequenceMesh, check_mesh, cp_tp, sequence_mesh
 
 __all__ = ["ParallelPlan", "parallelize_model"]
 
@@ -94,7 +94,8 @@ def _validate(
             "grad_reduction='fsdp' needs FSDP2 with set_gradient_divide_factor and "
             "set_reduce_scatter_unused_params (torch 2.13); use 'allreduce' on this torch"
         )
-    p = mesh.size()
+    cp, tp = cp_tp(mesh)
+    p = cp * tp
     roles: dict[str, str] = {}
     for i, layer in enumerate(_layers(base)):
         attn = layer.get_submodule("self_attn")
@@ -102,7 +103,7 @@ def _validate(
         if attn_role == "mla" and _heads(attn) % p:
             raise ValueError(
                 f"layer {i}: {_heads(attn)} attention heads are not divisible by "
-                f"cp·tp = {mesh.size(0)}·{mesh.size(1)} = {p} (each rank computes H/(cp·tp) heads)"
+                f"cp·tp = {cp}·{tp} = {p} (each rank computes H/(cp·tp) heads)"
             )
         roles[f"layers.{i}.self_attn"] = attn_role
         roles[f"layers.{i}.mlp"] = role_of(layer.get_submodule("mlp"), fam)
@@ -129,7 +130,12 @@ def parallelize_model(
 ) -> nn.Module:
     """Parallelise a stock ``KimiLinearForCausalLM``/``KimiLinearModel`` or
     ``DeepseekV3ForCausalLM``/``DeepseekV3Model`` in place over the 2-D ``mesh`` with dims
-    ``("cp", "tp")`` (sizes may be 1) and return it.
+    ``("cp", "tp")`` (sizes may be 1) and return it. A 3-D mesh ``("dp", "cp", "tp")`` adds
+    data parallelism: each ``dp`` slice is such a (cp, tp) mesh on its ``B/dp`` rows (see
+    :func:`~hyper_parallel.models.shard_batch`); ``out.loss`` is then the loss of the whole
+    global batch on every rank and the gradients are summed over ``dp`` too (FSDP2: HSDP over
+    ``(dp, cp)`` for the dense MLPs, FSDP over all ranks for the rest; all-reduce: over
+    ``dp`` as well).
 
     Afterwards call it on this rank's block: ``model(**shard_batch(batch, mesh))`` with
     ``input_ids`` ``[B, T/(cp·tp)]``; ``out.loss`` is the serial loss on the full batch, on
