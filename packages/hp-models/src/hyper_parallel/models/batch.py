@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from hyper_parallel.dtensor import DeviceMesh, all_gather_single, check_consistent
+from hyper_parallel.models.documents import TABLE_KEYS, packed_documents
 from hyper_parallel.models.mesh import check_mesh, cp_tp, sequence_mesh
 
 __all__ = ["IGNORE_INDEX", "gather_sequence", "shard_batch"]
@@ -37,6 +38,14 @@ def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]
     ``IGNORE_INDEX``), plus ``labels`` (the same tensor; Hugging Face computes a loss only when
     ``labels`` is given and then uses ``shift_labels`` as the targets).
 
+    Packed documents (``B = 1``, Hugging Face's ``DataCollatorWithFlattening`` form):
+    ``position_ids`` restarting at 0 at every document and/or ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k`` (offsets ``[0, …, T]``; ``max_length_q``/``_k`` accepted) add
+    ``cu_seqlens``, the global document offsets, to every rank's block; ``model(**local)``
+    then equals the serial model run on each document alone (labels ``-100`` at each
+    document's first token, as the collator writes them; see
+    :mod:`hyper_parallel.models.documents`).
+
     On a 3-D ``("dp", "cp", "tp")`` mesh the rank at dp coordinate ``d`` first takes rows
     ``[d·B/dp, (d+1)·B/dp)`` (``B % dp == 0``), then its sequence block of those: every
     returned tensor is ``[B/dp, S]``.
@@ -46,7 +55,7 @@ def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]
     mesh checks.
     """
     check_mesh(mesh)
-    unknown = sorted(set(batch) - set(_KNOWN))
+    unknown = sorted(set(batch) - set(_KNOWN) - set(TABLE_KEYS))
     if unknown:
         raise ValueError(f"shard_batch: unknown batch keys {unknown}; known: {list(_KNOWN)}")
     ids = batch.get("input_ids")
@@ -85,6 +94,9 @@ def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]
         raise ValueError(
             f"shard_batch: position_ids must be [B, T] or [1, T], got {tuple(pos.shape)}"
         )
+    documents, pos = packed_documents(batch, batch.get("position_ids"), bsz, seq)
+    if pos is None:
+        pos = torch.arange(seq, device=ids.device).unsqueeze(0)
 
     block = sequence_mesh(mesh).block
     s = seq // p
@@ -101,6 +113,8 @@ def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]
         shifted[:, :-1] = labels[:, 1:]
         local["shift_labels"] = shifted[rows, cols].contiguous()
         local["labels"] = local["shift_labels"]
+    if documents is not None:  # the global document offsets, the same on every rank
+        local["cu_seqlens"] = documents
     return local
 
 

@@ -32,6 +32,7 @@ from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.kda import parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
 from hyper_parallel.models.checkpoint import install_save_pretrained
+from hyper_parallel.models.documents import with_documents
 from hyper_parallel.models.families import ModelFamily, family_of, role_of
 from hyper_parallel.models.fsdp import apply_fsdp, check_mp_policy, fsdp_available
 from hyper_parallel.models.loss import parallel_forward, refuse_generate
@@ -205,7 +206,8 @@ def parallelize_model(
         elif role == "dense_mlp":
             parallelize_module(block, sm.tp, MC2GatedMLPParallel())
     has_loss = base is not model
-    model.forward = parallel_forward(model.forward, sm, has_loss, _mask_override(fam))  # type: ignore[method-assign]
+    forward = with_documents(model.forward, fam.name)  # packed documents to every layer
+    model.forward = parallel_forward(forward, sm, has_loss, _mask_override(fam))  # type: ignore[method-assign]
     if hasattr(model, "generate"):  # decoding is not split: refuse before any communication
         model.generate = refuse_generate  # type: ignore[method-assign]
     install_save_pretrained(model)  # a plain HF folder from one rank (gathered)
