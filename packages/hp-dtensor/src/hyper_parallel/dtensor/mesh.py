@@ -152,6 +152,27 @@ def _from_groups(
     )
 
 
+def _row_major_layout(sizes: tuple[int, ...]) -> Any:
+    """torch's layout of a row-major block of ``sizes`` (the inner layout of an unflatten)."""
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    if hasattr(_MeshLayout, "from_sizes_strides"):  # torch >= 2.12: a tuple of flat axes
+        return _MeshLayout.from_sizes_strides(sizes)
+    # torch 2.10-2.11: one CuTe layout (shape, stride), as their own _create_unflatten_mesh
+    strides = tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
+    return _MeshLayout(tuple(sizes), strides)
+
+
+def _flattened_layout(layout: Any) -> Any:
+    """torch's 1-D layout over every rank of ``layout``, as its own ``_flatten`` builds it."""
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    if hasattr(layout, "collapse"):  # torch >= 2.12
+        return _MeshLayout([layout.collapse()])
+    flat = layout.coalesce()  # torch 2.10-2.11
+    return flat.nest() if len(flat) > 1 else flat
+
+
 def _attach_native(
     parent: DeviceMesh, torch_layout: Any, names: tuple[str, ...], groups: Sequence[Any]
 ) -> DeviceMesh:
@@ -165,8 +186,10 @@ def _attach_native(
         _init_backend=False,
     )
     res._dim_group_names = [g.group_name for g in groups]
-    for g in groups:
-        troot._pg_registry[g.group_name] = g
+    registry = getattr(troot, "_pg_registry", None)  # torch >= 2.12; older torch resolves
+    if registry is not None:  # a group name through c10d's global registry
+        for g in groups:
+            registry[g.group_name] = g
     return res
 
 
@@ -262,9 +285,7 @@ def unflatten(
     new_groups = [_groups.group_for(new_layout.dim_groups(j)) for j in range(d, d + len(sizes))]
     all_groups = existing[:d] + new_groups + existing[d + 1 :]
     if _use_native():
-        from torch.distributed._mesh_layout import _MeshLayout
-
-        partial = mesh._layout[d].composition(_MeshLayout.from_sizes_strides(sizes))
+        partial = mesh._layout[d].composition(_row_major_layout(sizes))
         result = _attach_native(mesh, mesh._layout.splice(d, d + 1, partial), new_names, all_groups)
     else:
         ranks = new_layout.instance_ranks(dist.get_rank())
@@ -311,9 +332,7 @@ def flatten(mesh: DeviceMesh, name: str | None = None) -> DeviceMesh:
     _register_existing(mesh, layout)
     group = _groups.group_for(flat.dim_groups(0))
     if _use_native():
-        from torch.distributed._mesh_layout import _MeshLayout
-
-        result = _attach_native(mesh, _MeshLayout([mesh._layout.collapse()]), (name,), [group])
+        result = _attach_native(mesh, _flattened_layout(mesh._layout), (name,), [group])
         mesh._get_root_mesh()._flatten_mapping[name] = result
     else:
         ranks = flat.instance_ranks(dist.get_rank())
