@@ -55,10 +55,12 @@ INSTALL = [
     "tests/integration/requirements.txt",
 ]
 ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-# pins a torch release's own dependencies need on CPU, by torch version. triton 3.3 (torch
-# 2.7's): its interpreter turns a 1-element array into a Python int, which NumPy >= 2.4
-# refuses ("only 0-dimensional arrays can be converted to Python scalars").
-EXTRA_PINS: dict[str, list[str]] = {"2.7.1": ["numpy<2.4"]}
+# pins a torch release's own dependencies need on CPU, by torch version. triton 3.3-3.5 (the
+# ones torch 2.7-2.9 pin): their interpreter turns a 1-element array into a Python int
+# (``int(self.handle.data)``), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be
+# converted to Python scalars"; seen with 3.3.1, the same code is in 3.4.0 and 3.5.1).
+_OLD_TRITON = ["numpy<2.4"]
+EXTRA_PINS: dict[str, list[str]] = {"2.7.1": _OLD_TRITON, "2.8.0": _OLD_TRITON, "2.9.1": _OLD_TRITON}
 
 
 def venv_dir(version: str) -> Path:
