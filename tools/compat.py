@@ -60,7 +60,7 @@ ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 # (``int(self.handle.data)``), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be
 # converted to Python scalars"; seen with 3.3.1, the same code is in 3.4.0 and 3.5.1).
 _OLD_TRITON = ["numpy<2.4"]
-EXTRA_PINS: dict[str, list[str]] = {"2.7.1": _OLD_TRITON, "2.8.0": _OLD_TRITON, "2.9.1": _OLD_TRITON}
+EXTRA_PINS: dict[str, list[str]] = {v: _OLD_TRITON for v in ("2.7.1", "2.8.0", "2.9.1")}
 
 
 def venv_dir(version: str) -> Path:
