@@ -326,6 +326,15 @@ def render() -> str:
         ),
         "",
     ]
+    pinned = sorted({p for pins in EXTRA_PINS.values() for p in pins})
+    for pin in pinned:
+        on = ", ".join(v for v in VERSIONS if pin in EXTRA_PINS.get(v, []))
+        lines += [
+            f"With torch {on} the venv also pins `{pin}`: the triton those releases pin (3.3-3.5)"
+            " runs the Triton kernels on CPU (`TRITON_INTERPRET=1`) only with an older NumPy; "
+            "compiled kernels on a GPU do not go through the interpreter.",
+            "",
+        ]
     if notes:
         lines += ["## Skips and failures", "", *notes, ""]
     return "\n".join(lines)
