@@ -55,12 +55,15 @@ INSTALL = [
     "tests/integration/requirements.txt",
 ]
 ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-# pins a torch release's own dependencies need on CPU, by torch version. triton 3.3-3.5 (the
-# ones torch 2.7-2.9 pin): their interpreter turns a 1-element array into a Python int
+# pins a torch release's own dependencies need on CPU, by torch version. triton 3.3-3.6 (the
+# ones torch 2.7-2.11 pin): their interpreter turns a 1-element array into a Python int
 # (``int(self.handle.data)``), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be
-# converted to Python scalars"; seen with 3.3.1, the same code is in 3.4.0 and 3.5.1).
+# converted to Python scalars"; seen with 3.3.1 and 3.6.0, the same code is in 3.4.0 and
+# 3.5.1; 3.7.1 squeezes the array first).
 _OLD_TRITON = ["numpy<2.4"]
-EXTRA_PINS: dict[str, list[str]] = {v: _OLD_TRITON for v in ("2.7.1", "2.8.0", "2.9.1")}
+EXTRA_PINS: dict[str, list[str]] = {
+    v: _OLD_TRITON for v in ("2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0")
+}
 
 
 def venv_dir(version: str) -> Path:
@@ -330,7 +333,7 @@ def render() -> str:
     for pin in pinned:
         on = ", ".join(v for v in VERSIONS if pin in EXTRA_PINS.get(v, []))
         lines += [
-            f"With torch {on} the venv also pins `{pin}`: the triton those releases pin (3.3-3.5)"
+            f"With torch {on} the venv also pins `{pin}`: the triton those releases pin (3.3-3.6)"
             " runs the Triton kernels on CPU (`TRITON_INTERPRET=1`) only with an older NumPy; "
             "compiled kernels on a GPU do not go through the interpreter.",
             "",
