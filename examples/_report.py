@@ -80,8 +80,7 @@ HOW = {
     "kda": "KDA state passing + conv halo over cp·tp",
     "mla": "Ulysses MLA over cp·tp",
     "mlp": "MC2 gated MLP, TP+SP over tp",
-    "grad sync": "sync_gradients (FSDP2: in backward)",
-    "other": "embedding, head, loss, FSDP2",
+    "other": "embedding, head, loss, FSDP2, clipping",
 }
 
 

@@ -1,6 +1,7 @@
-"""The main job's failure paths (examples/train_hybrid.py), on a tiny model and 2 CPU ranks.
+"""The main job's failure paths (examples/train_hybrid.py, the harness that runs
+examples/train.py under torchrun), on a tiny model and 2 CPU ranks.
 
-Each test starts the job as a user would (the script launches torchrun itself), with a tag of
+Each test starts the job as a user would (the harness launches torchrun itself), with a tag of
 its own in the environment that every process of the job inherits, and afterwards scans /proc
 for that tag: nothing of the job may be left, whatever way it ended (Ctrl-C, SIGTERM,
 ``--job-timeout``, a failed rank, a NaN loss, the launcher SIGKILLed).
@@ -8,6 +9,7 @@ for that tag: nothing of the job may be left, whatever way it ended (Ctrl-C, SIG
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -25,8 +27,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 RANKS = 2
 TINY = ["--mesh", "2,1", "--seq", "16", "--hidden", "16", "--ffn", "32", "--layers",
-        "kda,mla", "--kda-heads", "2", "--kda-head-dim", "8", "--mla-heads", "2",
-        "--vocab", "16", "--trace-step", "1", "--rank-timeout", "30"]  # fmt: skip
+        "kda,mla", "--heads", "2", "--kda-head-dim", "8", "--vocab", "16",
+        "--rank-timeout", "30"]  # fmt: skip
 FOREVER = ["--steps", "100000"]  # runs until it is stopped
 START_S = 90  # start-up of torchrun + ranks on a loaded 2-core machine
 GONE_S = 20  # the issue's bound: nothing of the job left after this
@@ -168,16 +170,17 @@ def test_main_job_failed_rank_is_named_and_nothing_is_left(job_factory):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("nan_rank", [-1, 1])
 def test_main_job_stops_at_a_nan_loss_naming_step_and_rank(job_factory, nan_rank):
-    """--nan-step poisons a step on every rank (-1) or on one rank; every rank stops at that
-    step (none hangs) and the reason names the rank where it started."""
+    """--nan-step puts a NaN into the embedding output of every rank (-1) or of one rank at a
+    step; it reaches every rank through the layers' exchanges and the loss sum, yet every rank
+    stops at that step (none hangs) and the reason names the rank where it first appeared."""
     job = job_factory("--steps", "8", "--nan-step", "3", "--nan-rank", str(nan_rank))
     rc = job.finish(timeout=START_S + 30)
     assert rc == 1, job.output()
     first = 0 if nan_rank == -1 else nan_rank
     count = RANKS if nan_rank == -1 else 1
     assert _last_line(job.output()) == (
-        f"train_hybrid: FAILED: non-finite loss at step 3, starting on rank {first} (loss nan; "
-        f"non-finite on {count} of {RANKS} ranks)"
+        f"train_hybrid: FAILED: non-finite loss at step 3: first non-finite output embedding on "
+        f"rank {first} (there on {count} of {RANKS} ranks; loss nan)"
     ), job.output()
     assert not (job.out / "parallel.json").exists()
     job.assert_nothing_left()
@@ -185,12 +188,17 @@ def test_main_job_stops_at_a_nan_loss_naming_step_and_rank(job_factory, nan_rank
 
 @pytest.mark.timeout(180)
 def test_main_job_tiny_run_agrees_and_draws_the_trace(job_factory):
-    job = job_factory("--steps", "4")
+    """The shortest run (2 steps: the traced step follows the step count) writes the harness's
+    outputs and train.py's own (loss plot, losses, the final sharded checkpoint)."""
+    job = job_factory("--steps", "2")
     rc = job.finish(timeout=START_S + 60)
     assert rc == 0, job.output()
     assert _last_line(job.output()) == "train_hybrid: OK: parallel and serial loss curves agree"
-    for name in ("loss_curves.png", "trace_step.json", "trace_step.png", "parallel.json"):
+    assert "training KimiLinearForCausalLM: 2 layers (kda, mla; dense MLPs)" in job.output()
+    for name in ("loss_curves.png", "trace_step.json", "trace_step.png", "parallel.json",
+                 "loss.png", "losses.json", "ckpt/step-2/.metadata"):  # fmt: skip
         assert (job.out / name).stat().st_size > 0, name
+    assert len(json.loads((job.out / "losses.json").read_text())["losses"]) == 2
     assert (job.out / "trace_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     job.assert_nothing_left()
 
