@@ -160,7 +160,8 @@ def _row_major_layout(sizes: tuple[int, ...]) -> Any:
         return _MeshLayout.from_sizes_strides(sizes)
     # torch 2.10-2.11: one CuTe layout (shape, stride), as their own _create_unflatten_mesh
     strides = tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
-    return _MeshLayout(tuple(sizes), strides)
+    cute_layout: Any = _MeshLayout  # typed against the installed torch's own signature
+    return cute_layout(tuple(sizes), strides)
 
 
 def _flattened_layout(layout: Any) -> Any:
