@@ -13,3 +13,18 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def test_readme_example_runs():
     out = run_markdown_example(README, timeout=280).splitlines()
     assert out == [f"{r} (2, 4, 48) (2, 16, 48) True" for r in range(4)]
+
+
+def _block_index(marker: str) -> int:
+    """The index of the README's python block containing ``marker`` (sections may move)."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    return next(i for i, block in enumerate(blocks) if marker in block)
+
+
+@pytest.mark.timeout(600)
+def test_readme_packed_documents_example_runs():
+    index = _block_index("OFFSETS = [0, 5, 6, 11, 16]")
+    out = run_markdown_example(README, index, timeout=560)
+    assert "each document alone:" in out
