@@ -68,10 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="out")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout (s)")
     args = p.parse_args(argv)
-    args.mesh = tuple(int(v) for v in args.mesh.split(","))
+    args.mesh = tuple(int(v) for v in args.mesh.split(",") if v.isdigit())
     args.mixers = (args.layers or LAYERS[args.model]).split(",")
     if len(args.mesh) not in (2, 3) or min(args.mesh) < 1:
         p.error("--mesh takes cp,tp or dp,cp,tp (positive sizes)")
+    if not set(args.mixers) <= {"kda", "mla"}:
+        p.error(f"--layers takes kda / mla per layer, got {args.layers!r}")
     if args.model == "deepseek-v3" and set(args.mixers) != {"mla"}:
         p.error("--model deepseek-v3 has MLA layers only")
     return args

@@ -56,8 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def harness_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False,
                                 epilog="Every other option goes to examples/train.py.")  # fmt: skip
-    p.add_argument("-h", "--help", action="store_true")
-    p.add_argument("--out", default=str(ROOT / "out"))
+    p.add_argument("-h", "--help", action="store_true", help="this help, then train.py's")
+    p.add_argument("--out", default=str(ROOT / "out"), help="train.py's outputs and the report")
     p.add_argument("--tol", type=float, help="max relative loss difference (2e-3; 1e-2 "
                    "under --autocast)")  # fmt: skip
     p.add_argument("--trace-step", type=int, help="step recorded in the trace")
