@@ -204,6 +204,21 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _commit() -> str:
+    """The checkout's HEAD, ``+dirty`` where packages/ or tests/ differ from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "packages", "tests"],
+            cwd=ROOT, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+    except OSError:
+        return ""
+    return head + ("+dirty" if dirty else "")
+
+
 def run(version: str, keep: bool, python: str) -> int:
     venv = venv_dir(version)
     record: dict[str, Any] = {
@@ -212,6 +227,7 @@ def run(version: str, keep: bool, python: str) -> int:
         "command": f"nox -s compat -- {version}",
         "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only (gloo)",
+        "commit": _commit(),
     }
     rc = 1
     try:
