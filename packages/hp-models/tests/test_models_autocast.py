@@ -154,6 +154,8 @@ def _parallel(kind: str, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for run in runs:
         mesh = _mesh(run["cp"], run["tp"])
         model = tiny_model(kind, seed=0, dtype=run["weights"])
+        if run.get("checkpointing"):  # the recompute runs under the forward's autocast too
+            model.gradient_checkpointing_enable({"use_reentrant": False})
         parallelize_model(model, mesh, **run["options"])
         local = shard_batch(random_batch(seq=SEQ), mesh)
         res = _forward_backward(model, local, run["amp"], functools.partial(_gather, mesh=mesh))
@@ -207,6 +209,8 @@ def _runs(kind: str) -> list[dict[str, Any]]:
         {"cp": 2, "tp": 2, "amp": FP16, "weights": fp32, "options": ALLREDUCE},
         {"cp": cp, "tp": tp, "amp": None, "weights": BF16, "options": red},  # pure bf16
     ]
+    # run 0 again with Hugging Face's activation checkpointing: the same numbers, bitwise
+    runs.append({**runs[0], "checkpointing": True})
     if not LAYERS_AUTOCAST:
         runs = [r for r in runs if r["amp"] is None]
     if fsdp_available():  # FSDP2 mixed precision: float32 master weights, bf16 compute
@@ -248,6 +252,10 @@ def test_mixed_precision_matches_the_serial_model(kind):
         assert res["param_dtypes"] == [str(run["weights"])], res["param_dtypes"]
         assert set(res["grad_dtypes"].values()) == {str(run["weights"])}, label
     assert not bad, "\n".join(bad)
+    recomputed = [res for run, res in zip(runs, par) if run.get("checkpointing")]
+    for res in recomputed:
+        tensors = [k for k in res if k in ("loss", "logits") or k.startswith("grad:")]
+        assert all(torch.equal(res[k], par[0][k]) for k in tensors), "checkpointing changed a value"
 
 
 def _refused() -> dict[str, Any]:
