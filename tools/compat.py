@@ -291,7 +291,7 @@ def render() -> str:
     for path in sorted(RESULTS.glob("torch-*.json")):
         rec = json.loads(path.read_text())
         records[rec["torch_requested"]] = rec
-    head = "| torch | " + " | ".join(PACKAGES) + " | triton | install / tests | date |"
+    head = "| torch | " + " | ".join(PACKAGES) + " | triton | install / tests | date, commit |"
     lines = [
         "# Supported torch versions",
         "",
@@ -319,7 +319,8 @@ def render() -> str:
         timing = f"{rec.get('install_s', '?')} s / {rec.get('tests_s', '–')} s"
         lines.append(
             f"| {got.get('torch', version)} | " + " | ".join(cells)
-            + f" | {got.get('triton', '') or '–'} | {timing} | {rec['date']} |"
+            + f" | {got.get('triton', '') or '–'} | {timing} | {rec['date']}"
+            + (f", `{rec['commit']}`" if rec.get("commit") else "") + " |"
         )  # fmt: skip
         for p in PACKAGES:
             s = pk.get(p)
