@@ -5,22 +5,35 @@ all-reduce; each dp rank gets only its rows and computes only its share."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.models import clip_grad_norm_, parallelize_model, shard_batch, sync_gradients
-from hyper_parallel.models.testing import random_batch, tiny_model
+from hyper_parallel.models.testing import import_transformers, random_batch, tiny_model
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}  # Kimi-Linear's KDA computes in float32
 BSZ, SEQ = 4, 16
 
 
 def _full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double()
+    # a copy: after a no_grad forward FSDP2 leaves the root's parameters unsharded (plain
+    # tensors) and frees that storage at its next reshard
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().clone()
+
+
+def _raised(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # the test compares the type
+        return exc
+    return None
 
 
 def _flops(module, inputs):
@@ -29,7 +42,7 @@ def _flops(module, inputs):
     return counter.get_total_flops()
 
 
-def _train(dp, cp, tp, cases):
+def _train(dp, cp, tp, cases, tmp):
     world = init_device_mesh("cpu", (dp * cp * tp,), mesh_dim_names=("world",))
     mesh = unflatten(world, "world", (dp, cp, tp), ("dp", "cp", "tp"))
     d, c, t = mesh.get_coordinate()
@@ -84,6 +97,21 @@ def _train(dp, cp, tp, cases):
         with torch.no_grad():
             flops = _flops(model, local)
             serial_flops = _flops(serial, probe)
+        if kind == cases[0][0]:  # save_pretrained under dp: one writer, the same weights
+            rank = dist.get_rank()
+            folder = os.path.join(tmp, f"hf-rank{rank}")
+            weights = {n: _full(p) for n, p in model.named_parameters()}
+            model.save_pretrained(folder)
+            report["written"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+            if rank == 0:
+                plain = import_transformers().AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=torch.float64, experts_implementation="eager"
+                )
+                for n, p in plain.named_parameters():
+                    assert torch.equal(p.detach(), weights[n]), n
+            # the writer fails: every rank raises (no rank waits forever)
+            exc = _raised(model.save_pretrained, folder, max_shard_size="x")
+            report["failed_save"] = None if exc is None else type(exc).__name__
         report[kind] = {
             "losses": losses,
             "reduction": model._hp_models_plan.grad_reduction,
@@ -101,9 +129,14 @@ def _train(dp, cp, tp, cases):
     ],
     ids=["dp2-cp2-tp1", "dp2-cp1-tp2"],
 )
-def test_data_parallel_trains_like_serial_on_the_global_batch(dp, cp, tp, cases):
-    results = run_distributed(_train, dp * cp * tp, dp, cp, tp, cases, timeout=450)
-    for rep in results:
+def test_data_parallel_trains_like_serial_on_the_global_batch(dp, cp, tp, cases, tmp_path):
+    results = run_distributed(_train, dp * cp * tp, dp, cp, tp, cases, str(tmp_path), timeout=450)
+    assert "config.json" in results[0]["written"], results[0]["written"]
+    assert results[0]["failed_save"] is not None
+    for r, rep in enumerate(results):
+        if r:  # only the rank at (0, 0, 0) writes; when it fails, every rank raises
+            assert rep["written"] == [], rep["written"]
+            assert rep["failed_save"] == "RuntimeError", rep["failed_save"]
         for kind, _ in cases:
             assert rep[kind]["losses"] == results[0][kind]["losses"]
             # each rank runs at most 1/(dp·cp·tp) of the serial forward (Kimi's serial torch KDA

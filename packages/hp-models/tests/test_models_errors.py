@@ -50,6 +50,8 @@ def _bad_inputs():
     model = parallelize_model(tiny_model("kimi"), mesh)
     local = shard_batch(batch, mesh)
     errors["twice"] = _error(lambda: parallelize_model(model, mesh))
+    errors["save_state_dict"] = _error(lambda: model.save_pretrained("unused", state_dict={}))
+    errors["save_to_hub"] = _error(lambda: model.save_pretrained("unused", push_to_hub=True))
     errors["use_cache"] = _error(lambda: model(**local, use_cache=True))
     errors["mask"] = _error(lambda: model(**local, attention_mask=torch.ones(2, 8)))
     unshifted = {k: v for k, v in local.items() if k != "shift_labels"}
@@ -77,6 +79,8 @@ EXPECTED = {
     "3d_names": ("ValueError", "or 3-D with dims ('dp', 'cp', 'tp')"),
     "padding": ("ValueError", "padding is not supported under context parallelism"),
     "twice": ("RuntimeError", "already applied"),
+    "save_state_dict": ("ValueError", "save_pretrained(state_dict=...) is not supported"),
+    "save_to_hub": ("ValueError", "save_pretrained(push_to_hub=...) is not supported"),
     "use_cache": ("ValueError", "use_cache=True is not supported"),
     "mask": ("ValueError", "attention_mask is not supported"),
     "labels": ("ValueError", "labels need shift_labels"),

@@ -52,7 +52,7 @@ def save_pretrained(
     README, "Checkpoints") and ``push_to_hub=True`` (push the written folder instead).
     ``RuntimeError`` on every rank when the writing rank failed (it re-raises its own error)."""
     for key in ("state_dict", "distributed_checkpoint", "push_to_hub"):
-        if kwargs.get(key):
+        if kwargs.get(key) not in (None, False):  # an empty state dict too
             raise ValueError(
                 f"save_pretrained({key}=...) is not supported on a parallelised model: it "
                 "gathers the full state dict itself and writes a plain folder from one rank; "
