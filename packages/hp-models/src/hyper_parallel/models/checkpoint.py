@@ -97,4 +97,4 @@ def install_save_pretrained(model: nn.Module) -> None:
     def bound(save_directory: Any, **kwargs: Any) -> None:
         save_pretrained(model, original, save_directory, **kwargs)
 
-    model.save_pretrained = bound  # type: ignore[method-assign]
+    setattr(model, "save_pretrained", bound)  # noqa: B010 (an instance attribute, by name)

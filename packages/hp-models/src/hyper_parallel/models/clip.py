@@ -123,11 +123,13 @@ def clip_grad_norm_(
                         f"clip_grad_norm_: a gradient is {g.placements} (not reduced); "
                         "call sync_gradients first"
                     )
-            coord = g.device_mesh.get_coordinate() or []
+            coord: list[int] = list(g.device_mesh.get_coordinate() or [])
             duplicate = any(
                 _placement_kind(pl) == "replicate" and coord[d] != 0
                 for d, pl in enumerate(g.placements)
             )
+            if not isinstance(q, DTensor):
+                raise ValueError("clip_grad_norm_: a plain parameter has a DTensor gradient")
             slot = next(i for i, m in enumerate(meshes) if m == q.device_mesh)
             if not duplicate:
                 add(slot, local.detach())
