@@ -209,7 +209,7 @@ def parallelize_model(
     forward = with_documents(model.forward, fam.name)  # packed documents to every layer
     model.forward = parallel_forward(forward, sm, has_loss, _mask_override(fam))  # type: ignore[method-assign]
     if hasattr(model, "generate"):  # decoding is not split: refuse before any communication
-        model.generate = refuse_generate  # type: ignore[method-assign]
+        model.generate = refuse_generate  # type: ignore[method-assign,assignment]
     install_save_pretrained(model)  # a plain HF folder from one rank (gathered)
     if grad_reduction == "fsdp":
         apply_fsdp(model, base, roles, sm, mp_policy)
