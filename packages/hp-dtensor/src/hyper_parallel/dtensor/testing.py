@@ -325,8 +325,13 @@ def _run_once(
     return [results[r] for r in range(world_size)]
 
 
+# torch 2.10's gloo prints one such line per rank and group to stdout when a group connects
+_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\..*\n?", re.M)
+
+
 def run_markdown_example(path: str | os.PathLike[str], index: int = 0, timeout: float = 300) -> str:
-    """Run the ``index``-th ```python block of a Markdown file as a script; return its stdout.
+    """Run the ``index``-th ```python block of a Markdown file as a script; return its stdout
+    (less the connection lines torch 2.10's gloo prints, which are not the example's output).
 
     Documentation examples are part of the contract: each package's tests run its README
     example this way. Raises ``RuntimeError`` carrying the script's stderr if it fails."""
@@ -346,7 +351,7 @@ def run_markdown_example(path: str | os.PathLike[str], index: int = 0, timeout: 
         raise RuntimeError(
             f"README example {path}#{index} exited with {done.returncode}:\n{done.stderr[-4000:]}"
         )
-    return done.stdout
+    return _GLOO_CONNECTED.sub("", done.stdout)
 
 
 # ---- consistency-mode test helpers (used by every layer's consistency tests) ---------------
