@@ -116,10 +116,21 @@ def _mini_toml(text: str) -> dict[str, Any]:
             table[key] = value == "true"
             continue
         try:
-            table[key] = ast.literal_eval(value)
+            table[key] = ast.literal_eval(_inline_tables(value))
         except (ValueError, SyntaxError):
             table[key] = value
     return data
+
+
+def _inline_tables(value: str) -> str:
+    """``{ name = "x", n = 1 }`` -> ``{"name": "x", "n": 1}`` (keys outside strings only)."""
+    out = []
+    for part in re.split(r'("(?:[^"\\]|\\.)*")', value):
+        if part.startswith('"') and part.endswith('"') and len(part) >= 2:
+            out.append(part)
+            continue
+        out.append(re.sub(r"([{,]\s*)([A-Za-z0-9_-]+)\s*=", r'\1"\2":', part))
+    return "".join(out)
 
 
 def read_toml(path: Path) -> dict[str, Any]:
