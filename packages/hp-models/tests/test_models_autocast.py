@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,14 +49,6 @@ FP16 = torch.float16
 BF16 = torch.bfloat16
 
 
-# autocast support in the layers arrived after their 0.3.0 releases, which hp-models' pins still
-# admit (the `lowest` session installs them): with those, the autocast cases cannot run
-LAYERS_AUTOCAST = all(
-    importlib.util.find_spec(f"hyper_parallel.{layer}._amp") is not None
-    for layer in ("mc2", "context_parallel", "kda")
-)
-OLD_LAYERS = "the installed layers predate autocast support (hp-mc2, hp-context-parallel, "
-OLD_LAYERS += "hp-kda-kernels 0.3.1): raise hp-models' pins once they are released"
 
 
 def _gather(t: torch.Tensor, mesh: Any) -> torch.Tensor:
@@ -211,8 +202,6 @@ def _runs(kind: str) -> list[dict[str, Any]]:
     ]
     # run 0 again with Hugging Face's activation checkpointing: the same numbers, bitwise
     runs.append({**runs[0], "checkpointing": True})
-    if not LAYERS_AUTOCAST:
-        runs = [r for r in runs if r["amp"] is None]
     if fsdp_available():  # FSDP2 mixed precision: float32 master weights, bf16 compute
         policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=fp32)
         runs.append(
@@ -293,8 +282,6 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def test_readme_mixed_precision_example_runs():
     if not fsdp_available():
         pytest.skip(f"FSDP2 cannot sum gradients on torch {torch.__version__} (no mp_policy)")
-    if not LAYERS_AUTOCAST:
-        pytest.skip(OLD_LAYERS)
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
     index = next(i for i, b in enumerate(blocks) if "MixedPrecisionPolicy" in b)
     out = run_markdown_example(README, index=index, timeout=450).splitlines()
