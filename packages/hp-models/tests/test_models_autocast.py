@@ -49,8 +49,6 @@ FP16 = torch.float16
 BF16 = torch.bfloat16
 
 
-
-
 def _gather(t: torch.Tensor, mesh: Any) -> torch.Tensor:
     return gather_sequence(t, mesh)
 
