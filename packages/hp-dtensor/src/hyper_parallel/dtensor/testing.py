@@ -56,6 +56,7 @@ __all__ = [
     "free_port",
     "run_distributed",
     "run_markdown_example",
+    "strip_gloo_connected",
 ]
 
 DEFAULT_TIMEOUT = 45.0
@@ -325,8 +326,25 @@ def _run_once(
     return [results[r] for r in range(world_size)]
 
 
-# torch 2.10's gloo prints one such line per rank and group to stdout when a group connects
-_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\..*\n?", re.M)
+# torch 2.10's gloo prints "[Gloo] Rank R is connected to K peer ranks. Expected number of
+# connected peer ranks is : K" to stdout, once per rank and group, from C++: several ranks'
+# copies may interleave with each other and with the example's own lines, so the message (and
+# its two halves, when another write split it) is removed wherever it appears
+_GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer "
+    r"ranks is : \d+\n?"
+)
+_GLOO_HEAD = re.compile(r"\[Gloo\] Rank (?=\[Gloo\]|\d+ is connected|$)", re.M)
+_GLOO_TAIL = re.compile(
+    r"\d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\n?"
+)
+
+
+def strip_gloo_connected(text: str) -> str:
+    """``text`` less the connection messages torch 2.10's gloo writes to stdout (see above);
+    lines left empty by the removal are dropped."""
+    text = _GLOO_TAIL.sub("", _GLOO_HEAD.sub("", _GLOO_CONNECTED.sub("", text)))
+    return "".join(line for line in text.splitlines(keepends=True) if line.strip("\n") != "")
 
 
 def run_markdown_example(path: str | os.PathLike[str], index: int = 0, timeout: float = 300) -> str:
@@ -351,7 +369,7 @@ def run_markdown_example(path: str | os.PathLike[str], index: int = 0, timeout: 
         raise RuntimeError(
             f"README example {path}#{index} exited with {done.returncode}:\n{done.stderr[-4000:]}"
         )
-    return _GLOO_CONNECTED.sub("", done.stdout)
+    return strip_gloo_connected(done.stdout)
 
 
 # ---- consistency-mode test helpers (used by every layer's consistency tests) ---------------
