@@ -111,6 +111,12 @@ def _uv() -> list[str]:
     uv = shutil.which("uv")
     if uv:
         return [uv]
+    probe = subprocess.run([sys.executable, "-m", "uv", "--version"], capture_output=True)
+    if probe.returncode != 0:  # a setup problem, not a result: nothing is recorded
+        raise SystemExit(
+            "tools/compat.py needs uv: run it through `python3 tools/dev.py -s compat -- VERSION` "
+            "(which provides it) or put uv on PATH"
+        )
     return [sys.executable, "-m", "uv"]
 
 
@@ -220,6 +226,7 @@ def _commit() -> str:
 
 
 def run(version: str, keep: bool, python: str) -> int:
+    _uv()  # fails here, before any result is written, when uv is missing
     venv = venv_dir(version)
     record: dict[str, Any] = {
         "torch_requested": version,
