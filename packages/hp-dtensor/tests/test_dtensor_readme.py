@@ -17,7 +17,10 @@ def test_readme_example_runs():
 def test_gloo_connection_messages_are_removed_even_when_interleaved():
     from hyper_parallel.dtensor.testing import strip_gloo_connected
 
-    msg = "[Gloo] Rank {} is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    msg = (
+        "[Gloo] Rank {} is connected to 1 peer ranks. Expected number of connected peer ranks is"
+        " : 1"
+    )
     # as torch 2.10 wrote it from two ranks at once: one message split by the other
     split = "[Gloo] Rank " + msg.format(0) + "\n" + msg.format(1)[len("[Gloo] Rank ") :] + "\n"
     text = split + "0 (0, 2, 4, 6) [0, 2]\n" + msg.format(1) + "\n1 (1, 3) [1]\n"
