@@ -432,8 +432,9 @@ def _compat(session: nox.Session, *args: str) -> None:
 
 @nox.session(venv_backend="none")
 def compat(session: nox.Session) -> None:
-    """``nox -s compat -- 2.10.0 [--keep]``: the compact cross-version selection on one torch
-    release (docs/compatibility.md; ``python tools/compat.py render`` redraws the table)."""
+    """``nox -s compat -- 2.10.0 [--keep] [--worktree]``: the compact cross-version selection on
+    one torch release, on HEAD's code (``--worktree``: the working tree's); docs/compatibility.md,
+    ``python tools/compat.py render`` redraws the table."""
     if not session.posargs:
         session.error("usage: nox -s compat -- <torch version> [--keep]")
     _compat(session, *session.posargs)

@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
 """The torch compatibility matrix: one venv per torch version, the compact selection, results.
 
-    python tools/compat.py run 2.7.1 [--keep]   build .nox/compat-2_7_1 (torch 2.7.1, every
+    python tools/compat.py run 2.7.1 [--keep] [--worktree]
+                                                build .nox/compat-2_7_1 (torch 2.7.1, every
                                                 package through hp-models, the test extras the
-                                                selection needs), run tools/compat_selection.txt,
-                                                write compat-results/torch-2.7.1.json, delete the
+                                                selection needs) from HEAD exported with
+                                                ``git archive`` (``--worktree``: the working tree
+                                                as it is, recorded as ``+dirty`` if it differs),
+                                                run tools/compat_selection.txt there, write
+                                                compat-results/torch-2.7.1.json, delete the
                                                 venv (unless --keep)
     python tools/compat.py render               docs/compatibility.md from compat-results/*.json
 
@@ -130,10 +134,10 @@ def _constraints(version: str, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def install(version: str, venv: Path, python: str) -> None:
-    shutil.rmtree(venv, ignore_errors=True)
+def install(version: str, venv: Path, python: str, src: Path = ROOT) -> None:
     venv.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([*_uv(), "venv", "-q", "--python", python, str(venv)], check=True)
+    subprocess.run([*_uv(), "venv", "-q", "--allow-existing", "--python", python, str(venv)],
+                   check=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         cons = Path(tmp) / "constraints.txt"
         _constraints(version, cons)
@@ -145,7 +149,7 @@ def install(version: str, venv: Path, python: str) -> None:
             args += ["--extra-index-url", url]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "PIP_"))}
         env["UV_HTTP_TIMEOUT"] = "300"
-        subprocess.run([*args, *INSTALL], check=True, cwd=ROOT, env=env)
+        subprocess.run([*args, *INSTALL], check=True, cwd=src, env=env)
 
 
 def _versions(venv: Path) -> dict[str, str]:
@@ -225,7 +229,24 @@ def _commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def run(version: str, keep: bool, python: str) -> int:
+def _snapshot(dest: Path) -> str | None:
+    """The checkout's ``HEAD`` exported to ``dest`` (``git archive``): what a row records is
+    then exactly one commit's code, whatever is being edited in the working tree meanwhile.
+    The short hash, or None outside a git checkout."""
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    if head.returncode != 0:
+        return None
+    dest.mkdir(parents=True)
+    archive = subprocess.Popen(["git", "archive", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True)
+    if archive.wait() != 0:
+        raise SystemExit("git archive HEAD failed")
+    return head.stdout.strip()
+
+
+def run(version: str, keep: bool, python: str, worktree: bool = False) -> int:
     _uv()  # fails here, before any result is written, when uv is missing
     venv = venv_dir(version)
     record: dict[str, Any] = {
@@ -234,13 +255,19 @@ def run(version: str, keep: bool, python: str) -> int:
         "command": f"nox -s compat -- {version}",
         "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only (gloo)",
-        "commit": _commit(),
     }
     rc = 1
+    shutil.rmtree(venv, ignore_errors=True)
+    src = ROOT
+    if not worktree:  # HEAD's code, exported beside the venv (removed with it)
+        commit = _snapshot(venv / "src")
+        if commit is not None:
+            src, record["commit"] = venv / "src", commit
+    record.setdefault("commit", _commit())
     try:
         t0 = time.monotonic()
         try:
-            install(version, venv, python)
+            install(version, venv, python, src)
         except subprocess.CalledProcessError as exc:
             record["install_error"] = f"installation failed (exit {exc.returncode})"
             record["install_s"] = round(time.monotonic() - t0, 1)
@@ -257,7 +284,7 @@ def run(version: str, keep: bool, python: str) -> int:
         proc = subprocess.run(
             [str(venv / "bin" / "python"), "-m", "pytest", *selection(), f"--junitxml={junit}",
              "-o", "junit_family=xunit1", "-p", "no:cacheprovider", "-q"],
-            cwd=ROOT, env={**os.environ, **ENV},
+            cwd=src, env={**os.environ, **ENV},
         )  # fmt: skip
         record["tests_s"] = round(time.monotonic() - t1, 1)
         # the machine may be shared: the load over the run's last 15 minutes qualifies tests_s
@@ -374,10 +401,12 @@ def main(argv: list[str]) -> int:
     r.add_argument("version", help=f"a torch release, e.g. {VERSIONS[0]}")
     r.add_argument("--keep", action="store_true", help="keep the venv afterwards")
     r.add_argument("--python", default=sys.executable, help="interpreter for the venv")
+    r.add_argument("--worktree", action="store_true",
+                   help="test the working tree as it is (default: HEAD, exported)")  # fmt: skip
     sub.add_parser("render", help="write docs/compatibility.md from compat-results/")
     args = parser.parse_args(argv)
     if args.command == "run":
-        return run(args.version, args.keep, args.python)
+        return run(args.version, args.keep, args.python, args.worktree)
     DOC.write_text(render())
     print(f"[compat] wrote {DOC.relative_to(ROOT)}")
     return 0

@@ -61,3 +61,19 @@ def test_table_has_a_row_per_version_and_says_which_were_not_run(tmp_path, monke
     assert [r.split("|")[1].strip() for r in rows] == compat.VERSIONS
     assert "passed (1 passed)" in rows[0]
     assert all("not run" in r for r in rows[1:])
+
+
+def test_a_run_tests_head_exported_not_the_working_tree(tmp_path: Path) -> None:
+    import subprocess
+
+    commit = compat._snapshot(tmp_path / "src")
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    assert commit == head
+    tracked = (tmp_path / "src" / "tools" / "compat.py").read_text()
+    shown = subprocess.run(
+        ["git", "show", "HEAD:tools/compat.py"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    assert tracked == shown  # HEAD's file, even while the working tree's differs
+    assert (tmp_path / "src" / "tools" / "compat_selection.txt").is_file()
