@@ -2,7 +2,8 @@
 
 ``DeviceMesh``, ``DTensor`` and the placements are torch's own objects. This package adds
 mesh unflatten/flatten that keep the root and sibling groups, a process-group cache, rank
-order checks, pure layout algebra (:mod:`hyper_parallel.dtensor.layout`) and the multi-rank
+order checks, the autocast boundary of fused functions (:mod:`hyper_parallel.dtensor.amp`),
+pure layout algebra (:mod:`hyper_parallel.dtensor.layout`) and the multi-rank
 test harness (:mod:`hyper_parallel.dtensor.testing`).
 """
 
