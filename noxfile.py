@@ -108,8 +108,9 @@ def _install_packages(session: nox.Session, dists: list[str], extra: str = "test
     targets = [f"{t}[{extra}]" if Path(t).name in dists else t for t in targets]
     _install(session, *targets)
     # a reused venv keeps an earlier build of a package whose version did not move (uv and pip
-    # see the same version and skip it): rebuild the repository's own packages every time, so
-    # a session always tests the working tree
+    # see the same version and skip it), and uv's cache keys a local package's wheel on its
+    # pyproject.toml, not its sources: rebuild the repository's own packages every time, so a
+    # session always tests the working tree
     _install(session, "--no-deps", "--force-reinstall", *[t.split("[")[0] for t in targets])
 
 

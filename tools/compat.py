@@ -149,6 +149,10 @@ def install(version: str, venv: Path, python: str, src: Path = ROOT) -> None:
             args += ["--extra-index-url", url]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "PIP_"))}
         env["UV_HTTP_TIMEOUT"] = "300"
+        # uv caches a local package's wheel by its pyproject.toml, not its sources: without
+        # this a run could test an earlier build of the same path
+        for dist in PACKAGES:
+            args += ["--reinstall-package", dist]
         subprocess.run([*args, *INSTALL], check=True, cwd=src, env=env)
 
 
