@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.amp import without_autocast
 from hyper_parallel.dtensor.consistency import consistency_enabled
 
-from ._amp import fp32_core
 from ._checks import check_chunk_size, check_kernel_dims, check_qkv
 from .chunk import chunk_terms, compose_chunks, run_chunks
 from .cost import CostParams, choose_protocol
@@ -124,7 +124,7 @@ class _ExchangeFn(torch.autograd.Function):
         return h_in
 
     @staticmethod
-    @fp32_core
+    @without_autocast
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         M, h_in = ctx.saved_tensors
         g_out = ctx.ex.exchange_backward(grad.to(torch.float32).contiguous(), M)
@@ -132,7 +132,7 @@ class _ExchangeFn(torch.autograd.Function):
         return (g_out, g_out @ h_in.transpose(-1, -2), None, *empty)
 
 
-@fp32_core  # state and summaries in float32 under autocast too (see _amp)
+@without_autocast  # state and summaries in float32 under autocast too: the core casts itself
 def kda_context_parallel(
     q: torch.Tensor,
     k: torch.Tensor,

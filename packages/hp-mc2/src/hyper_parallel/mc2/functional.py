@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.amp import autocast_off, cast_for_autocast, without_autocast
 from hyper_parallel.dtensor.consistency import consistency_enabled
-from hyper_parallel.mc2._amp import autocast_off, cast_for_autocast, without_autocast
 from hyper_parallel.mc2._chunked import (
     gather_matmuls,
     matmul_reduce_scatter_bwd,

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.amp import autocast_off, cast_for_autocast, without_autocast
 from hyper_parallel.dtensor.consistency import consistency_enabled
-from hyper_parallel.mc2._amp import autocast_off, cast_for_autocast, without_autocast
 from hyper_parallel.mc2._chunked import (
     gather_matmuls,
     matmul_reduce_scatter_bwd,
@@ -337,7 +337,7 @@ def run_gated_mlp(
 ) -> torch.Tensor:
     """:func:`gated_mlp` with ``context``: the calling module's own fields, compared (with the
     checks on) in the same one collective as the call's, which ``what`` names."""
-    # under autocast: the operands in its dtype, the function itself with autocast off (_amp)
+    # under autocast: the operands in its dtype, the function with autocast off (dtensor.amp)
     x, wg, wu, wd, bg, bu, bd = cast_for_autocast(x.device.type, x, *weights, *biases)
     ws = dist.get_world_size(group)
     validate_gated_operands(x, wg, wu, wd, bg, bu, bd, act_fn, ws, backend, chunks)

@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyper_parallel.dtensor import check_consistent, check_rank_order
+from hyper_parallel.dtensor.amp import cast_for_autocast
 from hyper_parallel.dtensor.consistency import consistency_enabled
-from hyper_parallel.mc2._amp import cast_for_autocast
 from hyper_parallel.mc2.activation import check_elementwise_activation
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
 from hyper_parallel.mc2.gated import run_gated_mlp

@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor.amp import cast_for_autocast
 from hyper_parallel.dtensor.consistency import consistency_enabled
-from hyper_parallel.mc2._amp import cast_for_autocast
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
 from hyper_parallel.mc2.functional import _column, _row
 
@@ -141,7 +141,7 @@ class MC2Linear(nn.Linear):
             x = x.to_local()
         weight, bias = _local(self.weight), _local(self.bias)
         assert weight is not None
-        # under autocast: the dtypes F.linear would compute in (see hyper_parallel.mc2._amp)
+        # under autocast: the dtypes F.linear would compute in (see hyper_parallel.dtensor.amp)
         x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
         ws = dist.get_world_size(cfg.group)
         seq = self._check_input(x, weight, bias, cfg, ws)
