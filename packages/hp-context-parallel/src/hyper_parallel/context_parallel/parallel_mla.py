@@ -39,14 +39,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyper_parallel.context_parallel.admission import admit, check_call_consistent
+from hyper_parallel.context_parallel.attention import attend
 from hyper_parallel.context_parallel.exchange import Exchange, blocking, launch, wait
 from hyper_parallel.context_parallel.families import MLACall, MLAFamily, find_family
 from hyper_parallel.context_parallel.fused import WaitExpand, WaitLinear, mark
 from hyper_parallel.context_parallel.mla import (
     MLAConfig,
     Rope,
-    causal_attention,
-    document_causal_attention,
     expand_kv,
     kv_heads,
     project_latent,
@@ -151,10 +150,8 @@ def _run(m: Any, call: MLACall) -> Tensor:
             k_h, v_h = mark("kv_b_proj", False, k_h, v_h)
 
     q_h, k_h, v_h = mark("attention", True, q_h, k_h, v_h)
-    if adm.documents is not None:  # packed documents: the mask from the global table
-        o_h = document_causal_attention(q_h, k_h, v_h, scale, adm.documents)
-    else:
-        o_h = causal_attention(q_h, k_h, v_h, scale)
+    # causal, or document-causal from the global table; sdpa or the NPU's fused attention
+    o_h = attend(q_h, k_h, v_h, scale, adm.documents)
     (o_h,) = mark("attention", False, o_h)
     eo = a2a("o", "h2s")
     if st.overlap:
