@@ -401,12 +401,23 @@ def bench(session: nox.Session) -> None:
         target.unlink(missing_ok=True)
         for script in sorted((PACKAGES_DIR / dist / "benchmarks").glob("bench_*.py")):
             session.run("python", str(script), "--out", str(target), *quick, env=_env())
-    session.run("python", str(ROOT / "tools" / "bench_summary.py"), str(out), env=_env())
+    if quick:  # small shapes: a summary of this run only, docs/ untouched
+        session.run("python", str(ROOT / "tools" / "bench_summary.py"), str(out), env=_env())
+        return
+    # docs/bench-records/: the latest full run of every package; docs/benchmarks.md from all
+    records = ROOT / "docs" / "bench-records"
+    records.mkdir(parents=True, exist_ok=True)
+    for dist in chosen:
+        if (out / f"{dist}.json").exists():  # a package without benchmarks writes none
+            shutil.copy(out / f"{dist}.json", records / f"{dist}.json")
+    session.run("python", str(ROOT / "tools" / "bench_summary.py"), str(records), "--out",
+                str(out), env=_env())  # fmt: skip
     docs = ROOT / "docs"
-    docs.mkdir(exist_ok=True)
     shutil.copy(out / "summary.md", docs / "benchmarks.md")
     shutil.copy(out / "summary.png", docs / "benchmarks.png")
-    session.log(f"latest summary: {docs / 'benchmarks.md'} and {docs / 'benchmarks.png'}")
+    session.log(f"latest summary: {docs / 'benchmarks.md'} and {docs / 'benchmarks.png'}; "
+                f"records of {', '.join(chosen)} in {records}; edit {records / 'notes.md'} "
+                "with this run's machine and load")  # fmt: skip
 
 
 @nox.session(venv_params=_venv_params())

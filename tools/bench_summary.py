@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Combine every package's benchmark records into one summary.
 
-    python tools/bench_summary.py bench-results
+    python tools/bench_summary.py DIR [--out OUTDIR]
 
 Reads ``DIR/*.json`` (each a JSON list of records written by
 ``hyper_parallel.dtensor.benchmarking.write_records``: ``name``, ``ours_s``, ``baseline_s``,
 ``ratio``, ``peak_mem_ours``, ``peak_mem_baseline``, ...; a single record object is accepted
-too) and writes
+too) and writes into ``OUTDIR`` (default ``DIR``)
 
 - ``DIR/summary.json``: ``{"records": [...], "sources": {...}}``, each record tagged with the
   file (package) it came from;
@@ -17,6 +17,11 @@ too) and writes
   per step) and ``hidden_fraction`` where the record has them;
 - ``DIR/summary.png``: a horizontal bar chart of the ratios (ours / baseline, < 1 is faster)
   with a line at 1.0; simulated rows are hatched and labelled ``[sim]``.
+
+A ``DIR/notes.md`` (the machine, its load, what each package's run measured) is appended to
+the markdown as "Run notes". ``nox -s bench`` keeps the records of each package's latest full
+run in ``docs/bench-records/`` and draws ``docs/benchmarks.md`` from all of them, so a package
+benchmarked again replaces only its own rows.
 
 Needs matplotlib for the chart (``nox -s bench`` installs it); without it the script stops
 with a clear message before writing anything.
@@ -107,12 +112,16 @@ def link_markdown(records: list[dict[str, Any]]) -> str:
     )
 
 
-def markdown(records: list[dict[str, Any]]) -> str:
+def markdown(records: list[dict[str, Any]], notes: str = "") -> str:
+    """The summary: the plain table, the modeled-link table (if any record is simulated) and
+    ``notes`` as "Run notes" (if given)."""
     plain = [r for r in records if not r.get("simulated")]
     simulated = [r for r in records if r.get("simulated")]
     text = _plain_markdown(plain)
     if simulated:
         text += "\n" + link_markdown(simulated)
+    if notes.strip():
+        text += "\n## Run notes\n\n" + notes.strip() + "\n"
     return text
 
 
@@ -165,10 +174,15 @@ def chart(records: list[dict[str, Any]], path: Path, plt: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
+    out_dir = None
+    if len(argv) == 3 and argv[1] == "--out":
+        out_dir = Path(argv[2])
+        argv = argv[:1]
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
     directory = Path(argv[0])
+    out_dir = out_dir or directory
     if not directory.is_dir():
         print(f"bench_summary: {directory} is not a directory", file=sys.stderr)
         return 2
@@ -188,15 +202,17 @@ def main(argv: list[str]) -> int:
     if not records:
         print(f"bench_summary: no benchmark records (*.json) in {directory}", file=sys.stderr)
         return 1
-    (directory / "summary.json").write_text(
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(
         json.dumps({"records": records, "sources": sources}, indent=2) + "\n"
     )
-    md = markdown(records)
-    (directory / "summary.md").write_text(md)
-    chart(records, directory / "summary.png", plt)
+    notes = directory / "notes.md"
+    md = markdown(records, notes.read_text() if notes.is_file() else "")
+    (out_dir / "summary.md").write_text(md)
+    chart(records, out_dir / "summary.png", plt)
     print(md)
     for name in OUTPUTS:
-        print(f"wrote {directory / name}")
+        print(f"wrote {out_dir / name}")
     return 0
 
 
