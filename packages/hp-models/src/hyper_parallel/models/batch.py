@@ -48,7 +48,11 @@ def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]
 
     On a 3-D ``("dp", "cp", "tp")`` mesh the rank at dp coordinate ``d`` first takes rows
     ``[d·B/dp, (d+1)·B/dp)`` (``B % dp == 0``), then its sequence block of those: every
-    returned tensor is ``[B/dp, S]``.
+    returned tensor is ``[B/dp, S]``. Packed documents with dp > 1: ``B = dp`` rows (one packed
+    row per replica), each row's documents read from its own ``position_ids``; the replica's
+    ``cu_seqlens`` are its row's offsets (different replicas may hold different documents).
+    A ``cu_seq_lens_q``/``_k`` table (one row's) with dp > 1, or several documents in a
+    replica of ``B/dp > 1`` rows, raises ``ValueError``.
 
     ``ValueError`` (on every rank alike): missing or non-2-D ``input_ids``, shapes that differ,
     ``T % (cp·tp) != 0``, ``B % dp != 0``, an attention mask with zeros, unknown keys; plus the
@@ -94,18 +98,21 @@ def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]
         raise ValueError(
             f"shard_batch: position_ids must be [B, T] or [1, T], got {tuple(pos.shape)}"
         )
-    documents, pos = packed_documents(batch, batch.get("position_ids"), bsz, seq)
+    # every dp replica's documents from its own rows, all computed on every rank (the same
+    # verdict everywhere); one replica's documents are the same on its cp·tp ranks
+    shares = [_replica_documents(batch, bsz, seq, dp, r) for r in range(dp)]
+    d = (mesh.get_coordinate() or [0])[0] if dp > 1 else 0
+    documents, pos = shares[d]
     if pos is None:
         pos = torch.arange(seq, device=ids.device).unsqueeze(0)
 
     block = sequence_mesh(mesh).block
     s = seq // p
     cols = slice(block * s, (block + 1) * s)
-    d = (mesh.get_coordinate() or [0])[0] if dp > 1 else 0
     rows = slice(d * (bsz // dp), (d + 1) * (bsz // dp))  # this dp rank's share of the batch
     local: dict[str, Tensor] = {
         "input_ids": ids[rows, cols].contiguous(),
-        "position_ids": pos.expand(bsz, seq)[rows, cols].contiguous(),
+        "position_ids": pos.expand(bsz // dp, seq)[:, cols].contiguous(),
     }
     labels = batch.get("labels")
     if labels is not None:
@@ -113,9 +120,36 @@ def shard_batch(batch: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, Tensor]
         shifted[:, :-1] = labels[:, 1:]
         local["shift_labels"] = shifted[rows, cols].contiguous()
         local["labels"] = local["shift_labels"]
-    if documents is not None:  # the global document offsets, the same on every rank
+    if documents is not None:  # the row's global offsets, the same on its cp·tp ranks
         local["cu_seqlens"] = documents
     return local
+
+
+def _replica_documents(
+    batch: dict[str, Tensor], bsz: int, seq: int, dp: int, replica: int
+) -> tuple[Tensor | None, Tensor | None]:
+    """``packed_documents`` of dp replica ``replica``'s rows ``[r·B/dp, (r+1)·B/dp)``."""
+    pos = batch.get("position_ids")
+    if dp == 1:
+        return packed_documents(batch, pos, bsz, seq)
+    if any(batch.get(k) is not None for k in TABLE_KEYS[:2]):
+        raise ValueError(
+            f"shard_batch: with dp = {dp} data-parallel replicas (B={bsz} rows), packed "
+            "documents come from position_ids (each row restarting at 0 at its documents, "
+            "each replica's table derived from its own row); a cu_seq_lens_q/cu_seq_lens_k "
+            "table describes one row and is not accepted"
+        )
+    rows = bsz // dp
+    if pos is not None and pos.shape[0] != 1:
+        pos = pos[replica * rows : (replica + 1) * rows]
+    try:
+        return packed_documents(batch, pos, rows, seq)
+    except ValueError as exc:
+        first = replica * rows
+        raise ValueError(
+            f"{exc} (dp replica {replica}: rows [{first}, {first + rows}) of B={bsz}; with "
+            f"dp = {dp} give B = {dp} rows, one packed row per replica)"
+        ) from None
 
 
 def gather_sequence(x: Tensor, mesh: DeviceMesh, seq_dim: int = 1) -> Tensor:
