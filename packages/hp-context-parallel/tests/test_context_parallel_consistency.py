@@ -1,7 +1,7 @@
 """Consistency mode: ranks that disagree on a block length, a dtype, a chosen option (strategy,
-overlap) or what a rewritten Hugging Face forward decides (its mask) raise the same
-InconsistentRanksError on every rank, naming the field and the ranks, instead of hanging;
-with the checks off (the default) the rewritten block runs as before."""
+overlap) or what a rewritten Hugging Face forward decides (its mask, its packed-documents
+table) raise the same InconsistentRanksError on every rank, naming the field and the ranks,
+instead of hanging; with the checks off (the default) the rewritten block runs as before."""
 
 from __future__ import annotations
 
@@ -55,6 +55,12 @@ def _cases() -> dict[str, Any]:
             lambda: call_hf(hf, "deepseek_interleave", shard_sequence(xh, mesh), pos,
                             attention_mask=mask)
         )  # fmt: skip
+        # packed documents: a cu_seqlens table that differs on rank 1 (same length)
+        table = torch.tensor([0, 5 + 3 * rank, 16])
+        res["hf_table"] = _caught(
+            lambda: call_hf(hf, "deepseek_interleave", shard_sequence(xh[:1], mesh), pos,
+                            cu_seqlens=table)
+        )  # fmt: skip
         # a user collective: a different sequence length on rank 1
         t = torch.zeros(2, 4 + 2 * rank, 8, 3)
         res["a2a"] = _caught(lambda: ulysses_seq_to_head(t, 1, 2, mesh))
@@ -75,6 +81,7 @@ EXPECTED = {
     "seq": ("hidden_states", "context-parallel MultiHeadLatentAttention forward"),
     "dtype": ("hidden_states", "context-parallel MultiHeadLatentAttention forward"),
     "hf_mask": ("attention_mask", "context-parallel DeepseekV3Attention forward"),
+    "hf_table": ("cu_seqlens", "context-parallel DeepseekV3Attention forward"),
     "a2a": ("x", "a2a:seq_to_head"),
 }
 
@@ -90,6 +97,7 @@ def test_disagreeing_ranks_raise_on_every_rank_and_consistent_calls_still_run():
     assert "Tensor[2, 8, 24]" in results[0]["seq"][1] and "Tensor[2, 6, 24]" in results[0]["seq"][1]
     assert "float32" in results[0]["dtype"][1] and "float64" in results[0]["dtype"][1]
     assert "ranks [0]: None; ranks [1]: Tensor[1, 1, 8, 8]:bool" in results[0]["hf_mask"][1]
+    assert "ranks [0]: ((0, 5, 16)); ranks [1]: ((0, 8, 16))" in results[0]["hf_table"][1]
     for r in results:
         assert r["consistent"] == (2, 8, 24)
         assert r["off_err"] < 1e-10
