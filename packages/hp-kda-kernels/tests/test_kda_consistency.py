@@ -1,7 +1,8 @@
-"""Consistency mode: ranks that disagree on a dtype, a size or a chosen option (protocol, halo
-width) raise the same InconsistentRanksError on every rank, naming the field and the ranks,
-instead of hanging; per-rank chunk lengths (uneven, empty) stay allowed; with the checks off
-(the default) the layer runs as before."""
+"""Consistency mode: ranks that disagree on a dtype, a size, a chosen option (protocol, halo
+width) or a packed-documents table (``cu_seqlens``, kernel and layer) raise the same
+InconsistentRanksError on every rank, naming the field and the ranks, instead of hanging;
+per-rank chunk lengths (uneven, empty) stay allowed; with the checks off (the default) the
+layer runs as before."""
 
 from __future__ import annotations
 
@@ -79,6 +80,13 @@ def _cases() -> dict[str, Any]:
         x = torch.randn(1, 3 + 2 * rank, 32, dtype=torch.float64)
         res["layer_uneven_on"] = tuple(layer(x).shape)  # block lengths may differ
         res["layer_dtype"] = _caught(lambda: layer(x.float() if rank else x))
+        # packed documents: a cu_seqlens table that differs on rank 1 (same length)
+        table = torch.tensor([0, 3 + rank, 8])
+        res["table"] = _caught(
+            lambda: kda_context_parallel(q, k, v, g, beta, mesh, cu_seqlens=table)
+        )
+        x4 = torch.randn(1, 4, 32, dtype=torch.float64)
+        res["layer_table"] = _caught(lambda: layer(x4, cu_seqlens=table))
     # checks off (the default): the same uneven run is right
     res["uneven_off"] = _uneven_error(rank, mesh)
     return res
@@ -92,6 +100,8 @@ EXPECTED = {
     "halo_width": ("width", "causal_conv_halo"),
     "parallelize_protocol": ("protocol", "parallelize_kda"),
     "layer_dtype": ("dtype", "parallelize_kda (KimiLinearDeltaAttention) forward"),
+    "table": ("cu_seqlens", "kda_context_parallel (cu_seqlens)"),
+    "layer_table": ("cu_seqlens", "parallelize_kda (cu_seqlens)"),
 }
 
 
@@ -103,6 +113,7 @@ def test_disagreeing_ranks_raise_on_every_rank_and_uneven_chunks_still_run():
     assert "ranks [0]: 'p2p'; ranks [1]: 'allgather'" in results[0]["protocol"][1]
     assert "ranks [0]: 3; ranks [1]: 4" in results[0]["halo_width"][1]
     assert "(1, 1, 16, 16)" in results[0]["heads"][1] and "(1, 2, 16, 16)" in results[0]["heads"][1]
+    assert "ranks [0]: (0, 3, 8); ranks [1]: (0, 4, 8)" in results[0]["layer_table"][1]
     assert results[0]["layer_uneven_on"] == (1, 3, 32)
     assert results[1]["layer_uneven_on"] == (1, 5, 32)
     for r in results:
