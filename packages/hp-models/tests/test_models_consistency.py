@@ -1,7 +1,8 @@
 """Consistency mode (here through ``HP_CHECK_CONSISTENCY=1``): ranks that disagree on an
-option of ``parallelize_model``, the model's dtype or the length of their block raise the same
-InconsistentRanksError on every rank, naming the field and the ranks, instead of hanging;
-with the checks off the same model computes the same loss."""
+option of ``parallelize_model``, the model's dtype, the length of their block or their packed
+documents table (by value) raise the same InconsistentRanksError on every rank, naming the
+field and the ranks, instead of hanging; with the checks off the same model computes the same
+loss."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def _cases() -> dict[str, Any]:
     shorter = {k: v[:, : 8 - 2 * rank] for k, v in local.items()}
     res["seq"] = _caught(lambda: model(**shorter))
     res["gather"] = _caught(lambda: gather_sequence(shorter["input_ids"], mesh))
+    # packed documents: a table that differs on rank 1 (same length), caught before the
+    # forward's first collective (the loss's token count)
+    packed = {**local, "cu_seqlens": torch.tensor([0, 5 + 3 * rank, 16])}
+    res["documents"] = _caught(lambda: model(**packed))
     with torch.no_grad():
         res["loss_on"] = model(**local).loss.item()
         os.environ.pop("HP_CHECK_CONSISTENCY")
@@ -59,6 +64,7 @@ EXPECTED = {
     "dtype": ("param_dtypes", "parallelize_model"),
     "seq": ("arg_input_ids", "parallelized model forward"),
     "gather": ("x", "gather_sequence"),
+    "documents": ("documents_cu_seqlens", "parallelized model forward"),
 }
 
 
@@ -69,6 +75,7 @@ def test_disagreeing_ranks_raise_on_every_rank_and_consistent_calls_still_run():
     assert "ranks [0]: 'latent'; ranks [1]: 'expanded'" in results[0]["strategy"][1]
     assert "Tensor[2, 8]:int64" in results[0]["seq"][1]
     assert "Tensor[2, 6]:int64" in results[0]["seq"][1]
+    assert "ranks [0]: (0, 5, 16); ranks [1]: (0, 8, 16)" in results[0]["documents"][1]
     for r in results:
         assert r["loss_on"] == r["loss_off"] == results[0]["loss_on"]
         assert 0 < r["loss_on"] < 10

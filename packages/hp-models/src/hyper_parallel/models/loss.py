@@ -151,11 +151,15 @@ def _argument(value: Any) -> Any:
 def check_call_consistent(kwargs: dict[str, Any], sm: SequenceMesh, has_loss: bool) -> None:
     """Consistency mode only: every rank of the flattened mesh compares the keyword arguments
     of its call (``input_ids``, ``labels``/``shift_labels``, ``position_ids``, ...: tensors by
-    shape, dtype and device type), and whether autograd records, before the first collective
-    of the forward."""
+    shape, dtype and device type; a packed-documents table also by its values), and whether
+    autograd records, before the first collective of the forward."""
     if not consistency_enabled() or sm.size == 1:
         return
     fields = {f"arg_{k}": _argument(v) for k, v in kwargs.items()}
+    for key in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
+        table = kwargs.get(key)
+        if isinstance(table, Tensor) and table.dim() == 1:  # the documents: values, not shape
+            fields[f"documents_{key}"] = tuple(int(v) for v in table.tolist())
     check_consistent(
         sm.flat.get_group(),
         "parallelized model forward",
