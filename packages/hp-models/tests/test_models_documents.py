@@ -72,6 +72,7 @@ def _bad(mesh: Any) -> dict[str, str]:
     two_rows = {k: v.expand(2, SEQ) for k, v in good.items()}
     cases = {
         "two_rows": two_rows,
+        "table_start": {**good, "cu_seq_lens_q": torch.tensor([1, 3, 16])},
         "table_end": {**good, "cu_seq_lens_q": torch.tensor([0, 3, 15])},
         "table_order": {**good, "cu_seq_lens_q": torch.tensor([0, 5, 3, 16])},
         "table_vs_positions": {**good, "cu_seq_lens_q": torch.tensor([0, 5, 16])},
@@ -128,6 +129,7 @@ def _run(world_size: int) -> dict[str, Any]:
 
 BAD = {
     "two_rows": "need one row",
+    "table_start": "must increase strictly from 0 to the sequence length T=16, got [1, 3, 16]",
     "table_end": "must increase strictly from 0 to the sequence length T=16",
     "table_order": "must increase strictly",
     "table_vs_positions": "differ",
