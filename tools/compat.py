@@ -338,9 +338,11 @@ def render() -> str:
         "compat -- <torch version>`): a fresh venv with that torch, every package installed "
         "through hp-models, and the compact selection in `tools/compat_selection.txt` "
         "(hp-dtensor's mesh tests, each layer's parity tests on stock Hugging Face modules, "
-        "the stock-model integration at mesh (2, 2) with FSDP2 and with the all-reduce, every "
-        "README example) on CPU over gloo. CI (`nox`'s default sessions) runs it on the "
-        "declared floor and on the newest torch (`compat_ci`).",
+        "the stock-model integration at mesh (2, 2) with FSDP2 and with the all-reduce, a "
+        "(dp, cp, tp) = (2, 2, 1) mesh, every README example) on CPU over gloo, on the code of "
+        "the commit in the last column (`git archive`). CI (`nox`'s default sessions) runs it "
+        "on the declared floor and on the newest torch (`compat_ci`). Rows whose counts differ "
+        "ran the selection as it was at their commit.",
         "",
         head,
         "|" + "---|" * (len(PACKAGES) + 4),
