@@ -22,20 +22,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import _kimi  # the shared setup, beside this script
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hyper_parallel.context_parallel import parallelize_mla
-from hyper_parallel.dtensor import (
-    all_gather_single,
-    init_device_mesh,
-    reduce_scatter_single,
-    unflatten,
-)
+from hyper_parallel.dtensor import all_gather_single, reduce_scatter_single
 from hyper_parallel.dtensor.benchmarking import (
-    bench_arguments,
     bench_record,
     interleaved_timing,
     peak_memory_bytes,
@@ -46,8 +41,7 @@ from hyper_parallel.dtensor.benchmarking import (
 )
 from hyper_parallel.kda import parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
-from hyper_parallel.models import parallelize_model, shard_batch, sync_gradients
-from hyper_parallel.models.testing import random_batch, tiny_model
+from hyper_parallel.models import parallelize_model, sync_gradients
 
 
 class _GatherTp(torch.autograd.Function):
@@ -112,31 +106,10 @@ def _hf_tp(model: nn.Module, mesh: Any) -> nn.Module:
 
 
 def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    device = torch.device(cfg["device"])
+    env = _kimi.setup(cfg)
+    device, world, mesh, build = env.device, env.world, env.mesh, env.build
     ws = dist.get_world_size()
-    world = init_device_mesh(device.type, (ws,), mesh_dim_names=("world",))
-    mesh = unflatten(world, "world", (2, ws // 2), ("cp", "tp"))
-    shape = {
-        "hidden_size": cfg["hidden"],
-        "intermediate_size": cfg["ffn"],
-        "num_attention_heads": cfg["heads"],
-        "num_key_value_heads": cfg["heads"],
-        "linear_num_heads": cfg["heads"],
-        "linear_head_dim": cfg["head_dim"],
-        "kv_lora_rank": cfg["head_dim"],
-        "qk_nope_head_dim": cfg["head_dim"],
-        "v_head_dim": cfg["head_dim"],
-        "qk_rope_head_dim": 16,
-        "vocab_size": 512,
-        "mlp_layer_types": ["dense"] * 4,
-    }
-
-    def build() -> nn.Module:
-        return tiny_model("kimi", seed=0, dtype=torch.float32, **shape).to(device)
-
-    batch = random_batch(vocab=512, bsz=1, seq=cfg["seq"], seed=1)
-    local = {k: v.to(device) for k, v in shard_batch(batch, mesh).items()}
-    full = {k: v.to(device) for k, v in batch.items()}
+    local, full = env.local, env.batch
 
     ours = parallelize_model(build(), mesh, mla_strategy="latent", overlap=True)
     hf = _hf_tp(build(), world)
@@ -171,14 +144,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         with simulated_link(0.0, 1e18) as stats:
             fn()
         moved[name] = stats.bytes
-    extra = {
-        "seq": cfg["seq"],
-        "hidden": cfg["hidden"],
-        "heads": cfg["heads"],
-        "head_dim": cfg["head_dim"],
-        "mesh": f"cp=2 x tp={ws // 2}",
-        "repeats": cfg["repeats"],
-    }
+    extra = env.extra()
     return [
         bench_record(
             f"models_kimi_step/hp_models_vs_{base}",
@@ -197,27 +163,8 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
-    p = bench_arguments(__doc__)
-    p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--hidden", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=None)
-    a = p.parse_args(argv)
-    seq, hidden, repeats = (512, 128, 2) if a.quick else (2048, 256, 3)
-    cfg = {
-        "device": a.device,
-        "seq": a.seq or seq,
-        "hidden": a.hidden or hidden,
-        "ffn": 2 * (a.hidden or hidden),
-        "heads": 8,
-        "head_dim": 32 if a.quick else 64,
-        "repeats": a.repeats or repeats,
-    }
-    return cfg, a.out
-
-
 def main(argv: list[str] | None = None) -> None:
-    cfg, out = _config(argv)
+    cfg, out = _kimi.config(__doc__, argv, quick=(512, 128, 2), full=(2048, 256, 3))
     records = run_ranks(_body, cfg, world_size=4, timeout=1800.0)
     if records is not None:
         write_records(out, records)
