@@ -18,9 +18,9 @@ from torch import Tensor
 from torch.autograd import Function
 
 from hyper_parallel.context_parallel import recorder as _rec
-from hyper_parallel.context_parallel._amp import autocast_off, cast_for_autocast, without_autocast
 from hyper_parallel.context_parallel.exchange import Exchange
 from hyper_parallel.context_parallel.mla import kv_heads
+from hyper_parallel.dtensor.amp import autocast_off, cast_for_autocast, without_autocast
 
 __all__ = ["WaitExpand", "WaitLinear", "mark", "span"]
 
@@ -82,7 +82,7 @@ class WaitLinear(Function):
         ctx.a_dtype = a.dtype  # the gradient's exchange carries a's own dtype
         with span("o_proj", "forward"):
             a, weight, bias = cast_for_autocast(a.device.type, a.flatten(2), weight, bias)
-            with autocast_off(a.device.type):  # what autocast's F.linear computes (_amp)
+            with autocast_off(a.device.type):  # what autocast's F.linear computes (dtensor.amp)
                 y = F.linear(a, weight, bias)
         ctx.ex, ctx.has_bias, ctx.a_shape, ctx.head_width = (
             ex,
@@ -129,7 +129,7 @@ class WaitExpand(Function):
             k_rope = full[..., dc:].contiguous()
             ctx.lat_dtype = lat.dtype  # the gradient's reduce-scatter carries full's dtype
             lat, weight = cast_for_autocast(lat.device.type, lat, weight)
-            with autocast_off(lat.device.type):  # what autocast's F.linear computes (_amp)
+            with autocast_off(lat.device.type):  # what autocast's F.linear computes (dtensor.amp)
                 kv = kv_heads(lat, weight[rows], width)
         ctx.ex, ctx.rows = ex, rows
         ctx.save_for_backward(lat, weight)
