@@ -1,5 +1,5 @@
 """What the main job prints and draws: the curve comparison (NaN counts as disagreement), the
-per-layer table, the reason a parallel run is slower than the serial one, the loss plot."""
+per-layer table, the reason a parallel run is slower than the serial one, the loss plots."""
 
 from __future__ import annotations
 
@@ -125,4 +125,19 @@ def plot_curves(path: Path, parallel: list[float], serial: list[float], title: s
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_loss(path: Path, first_step: int, losses: list[float], title: str) -> None:
+    """train.py's loss curve: steps ``first_step + 1, …`` (a resumed run starts later)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(first_step + 1, first_step + len(losses) + 1), losses, marker=".")
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)

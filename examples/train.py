@@ -5,14 +5,16 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py --device cuda --autocast bf16
     torchrun --standalone --nproc-per-node 2 examples/train.py --mesh 1,2 --model deepseek-v3
     torchrun --standalone --nproc-per-node 4 examples/train.py --steps 80 --resume
+    torchrun --standalone --nproc-per-node 4 examples/train.py --packed   # documents per row
 
 A tiny random ``KimiLinearForCausalLM`` (KDA and MLA layers, dense MLPs) or
 ``DeepseekV3ForCausalLM`` (MLA layers) built in code, parallelised in one call
-(``parallelize_model``), trained with AdamW on a learnable synthetic token stream; gradients
+(``parallelize_model``), trained with AdamW on a learnable synthetic token stream
+(examples/_data.py; ``--packed``: each row holds documents of random lengths); gradients
 clipped with ``hyper_parallel.models.clip_grad_norm_``, a sharded checkpoint
 (``torch.distributed.checkpoint``) every ``--save-every`` steps and at the end, ``--resume`` from
 the latest one. Rank 0 shows a progress bar and writes ``<out>/losses.json`` and
-``<out>/loss.png``. Swap ``build_model`` and ``make_batches`` for your model and data.
+``<out>/loss.png``. Swap ``build_model`` and ``_data.batch`` for your model and data.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import _data
+import _report
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -41,93 +45,68 @@ from hyper_parallel.models.testing import tiny_model
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 LAYERS = {"kimi-linear": "kda,mla,kda,mla", "deepseek-v3": "mla,mla,mla,mla"}
+AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=sorted(BACKENDS), default="cpu")
-    p.add_argument("--model", choices=sorted(LAYERS), default="kimi-linear")
-    p.add_argument("--layers", help="token mixer per layer, kda / mla (default: per --model)")
-    p.add_argument("--mesh", default="2,2", help="cp,tp or dp,cp,tp (product = ranks)")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch", type=int, default=2, help="sequences per step (global)")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--ffn", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4, help="MLA heads (and KDA heads)")
-    p.add_argument("--kda-head-dim", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="weights")
-    p.add_argument("--autocast", choices=["off", "bf16", "fp16"], default="off")
-    p.add_argument("--grad-reduction", choices=["auto", "fsdp", "allreduce"], default="auto")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=20, help="checkpoint period (0: at end)")
-    p.add_argument("--resume", action="store_true", help="start from the latest checkpoint")
-    p.add_argument("--out", default="out")
-    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout (s)")
+    add = p.add_argument
+    add("--device", choices=sorted(BACKENDS), default="cpu")
+    add("--model", choices=sorted(LAYERS), default="kimi-linear")
+    add("--layers", help="token mixer per layer, kda / mla (default: per --model)")
+    add("--mesh", default="2,2", help="cp,tp or dp,cp,tp (product = ranks)")
+    add("--steps", type=int, default=40)
+    add("--batch", type=int, help="sequences per step, global (default 2; --packed: dp)")
+    add("--seq", type=int, default=128, help="tokens per sequence")
+    add("--packed", action="store_true", help="pack documents of random lengths in each row")
+    add("--hidden", type=int, default=64)
+    add("--ffn", type=int, default=128)
+    add("--heads", type=int, default=4, help="MLA heads (and KDA heads)")
+    add("--kda-head-dim", type=int, default=16)
+    add("--vocab", type=int, default=64)
+    add("--dtype", choices=["float32", "float64"], default="float32", help="weights")
+    add("--autocast", choices=sorted(AMP), default="off")
+    add("--grad-reduction", choices=["auto", "fsdp", "allreduce"], default="auto")
+    add("--lr", type=float, default=3e-3)
+    add("--clip", type=float, default=1.0, help="max gradient norm")
+    add("--seed", type=int, default=0)
+    add("--save-every", type=int, default=20, help="checkpoint period (0: at end)")
+    add("--resume", action="store_true", help="start from the latest checkpoint")
+    add("--out", default="out")
+    add("--timeout", type=float, default=600.0, help="collective timeout (s)")
     args = p.parse_args(argv)
     args.mesh = tuple(int(v) for v in args.mesh.split(",") if v.isdigit())
     args.mixers = (args.layers or LAYERS[args.model]).split(",")
+    dp = args.mesh[0] if len(args.mesh) == 3 else 1
+    args.batch = args.batch or (dp if args.packed else 2)
     if len(args.mesh) not in (2, 3) or min(args.mesh) < 1:
         p.error("--mesh takes cp,tp or dp,cp,tp (positive sizes)")
     if not set(args.mixers) <= {"kda", "mla"}:
         p.error(f"--layers takes kda / mla per layer, got {args.layers!r}")
     if args.model == "deepseek-v3" and set(args.mixers) != {"mla"}:
         p.error("--model deepseek-v3 has MLA layers only")
+    if args.packed and args.batch != dp:  # shard_batch: one packed row per dp replica
+        p.error(f"--packed takes one row per data-parallel replica: --batch {dp}")
     return args
-
-
-def build_mesh(args: argparse.Namespace) -> Any:
-    """``("cp", "tp")``, or ``("dp", "cp", "tp")`` with data parallelism outermost."""
-    world = init_device_mesh(args.device, (dist.get_world_size(),), mesh_dim_names=("world",))
-    names = ("cp", "tp") if len(args.mesh) == 2 else ("dp", "cp", "tp")
-    return unflatten(world, "world", args.mesh, names)
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """The stock HF model, seeded (the same weights on every rank), tiny config, dense MLPs."""
-    n = len(args.mixers)
+    n, dtype = len(args.mixers), getattr(torch, args.dtype)
     sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                  num_hidden_layers=n, num_attention_heads=args.heads,
                  num_key_value_heads=args.heads)  # fmt: skip
     if args.model == "deepseek-v3":
-        return tiny_model("deepseek", args.seed, getattr(torch, args.dtype), **sizes,
-                          first_k_dense_replace=n)  # fmt: skip
+        return tiny_model("deepseek", args.seed, dtype, **sizes, first_k_dense_replace=n)
     kinds = {"kda": "linear_attention", "mla": "full_attention"}
-    return tiny_model("kimi", args.seed, getattr(torch, args.dtype), **sizes,
-                      layer_types=[kinds[m] for m in args.mixers], mlp_layer_types=["dense"] * n,
-                      linear_num_heads=args.heads, linear_head_dim=args.kda_head_dim)  # fmt: skip
-
-
-def make_batch(args: argparse.Namespace, step: int) -> torch.Tensor:
-    """Step ``step``'s ``[batch, seq]`` token ids: a fixed random Markov chain (learnable),
-    seeded by ``--seed`` and the step alone (a resumed or longer run sees the same stream)."""
-    g = torch.Generator().manual_seed(args.seed + 1234)
-    trans = torch.softmax(torch.randn(args.vocab, args.vocab, generator=g) * 3.0, dim=-1)
-    g.manual_seed(args.seed * 1_000_003 + step)
-    toks = torch.empty(args.batch, args.seq, dtype=torch.long)
-    toks[:, 0] = torch.randint(0, args.vocab, (args.batch,), generator=g)
-    for i in range(1, args.seq):
-        toks[:, i] = torch.multinomial(trans[toks[:, i - 1]], 1, generator=g).squeeze(1)
-    return toks
+    return tiny_model("kimi", args.seed, dtype, **sizes, mlp_layer_types=["dense"] * n,
+                      layer_types=[kinds[m] for m in args.mixers], linear_num_heads=args.heads,
+                      linear_head_dim=args.kda_head_dim)  # fmt: skip
 
 
 def autocast(args: argparse.Namespace) -> Any:
-    if args.autocast == "off":
-        return nullcontext()
-    return torch.autocast(args.device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[
-        args.autocast])  # fmt: skip
-
-
-def describe(model: torch.nn.Module, mesh: Any, args: argparse.Namespace) -> str:
-    params = sum(p.numel() for p in model.parameters())
-    dims = " x ".join(f"{n}={s}" for n, s in zip(mesh.mesh_dim_names, mesh.shape))
-    return (f"training {type(model).__name__}: {len(args.mixers)} layers "
-            f"({', '.join(args.mixers)}; dense MLPs), {params:,} parameters ({args.dtype})\n"
-            f"mesh {dims} on {args.device}; {args.batch} x {args.seq} tokens per step; "
-            f"autocast {args.autocast}; {args.steps} steps")  # fmt: skip
+    dtype = AMP[args.autocast]
+    return nullcontext() if dtype is None else torch.autocast(args.device, dtype=dtype)
 
 
 def checkpoint_dir(out: Path, step: int) -> Path:
@@ -155,10 +134,18 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
     dist.init_process_group(BACKENDS[args.device], timeout=timedelta(seconds=args.timeout))
     rank, out = dist.get_rank(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    mesh = build_mesh(args)
+    world = init_device_mesh(args.device, (dist.get_world_size(),), mesh_dim_names=("world",))
+    names = ("cp", "tp") if len(args.mesh) == 2 else ("dp", "cp", "tp")  # dp outermost
+    mesh = unflatten(world, "world", args.mesh, names)
     model = build_model(args).to(args.device)
     if rank == 0:
-        print(describe(model, mesh, args), flush=True)
+        params = sum(p.numel() for p in model.parameters())
+        dims = " x ".join(f"{n}={s}" for n, s in zip(names, args.mesh))
+        mixers = ", ".join(args.mixers)
+        print(f"training {type(model).__name__}: {len(args.mixers)} layers ({mixers}; dense "
+              f"MLPs), {params:,} parameters ({args.dtype})\nmesh {dims} on {args.device}; "
+              f"{args.batch} x {args.seq} tokens per step{', packed documents' * args.packed}; "
+              f"autocast {args.autocast}; {args.steps} steps", flush=True)  # fmt: skip
     parallelize_model(model, mesh, grad_reduction=args.grad_reduction)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after parallelize_model
     start = latest_step(out) if args.resume else 0
@@ -176,8 +163,7 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
     for step in bar:
         t0 = time.perf_counter()
         with hooks.step(step) if hooks is not None else nullcontext():
-            tokens = make_batch(args, step)  # the whole batch, the same on every rank
-            batch = shard_batch({"input_ids": tokens, "labels": tokens}, mesh)
+            batch = shard_batch(_data.batch(args, step), mesh)  # the whole batch on every rank
             with autocast(args):
                 loss = model(**{k: v.to(args.device) for k, v in batch.items()}).loss
             loss.backward()
@@ -196,24 +182,11 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(checkpoint_dir(out, step + 1)))
     if rank == 0:
-        write_outputs(out, start, losses, args)
+        (out / "losses.json").write_text(json.dumps({"first_step": start, "losses": losses}))
+        _report.plot_loss(out / "loss.png", start, losses, f"{args.model}, mesh {args.mesh}")
+        print(f"checkpoint: {checkpoint_dir(out, args.steps)}; loss curve: {out / 'loss.png'}")
     dist.destroy_process_group()
     return losses
-
-
-def write_outputs(out: Path, start: int, losses: list[float], args: argparse.Namespace) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    (out / "losses.json").write_text(json.dumps({"first_step": start, "losses": losses}))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(start + 1, start + len(losses) + 1), losses, marker=".")
-    ax.set(xlabel="step", ylabel="loss", title=f"{args.model}, mesh {args.mesh}")
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
-    print(f"checkpoint: {checkpoint_dir(out, args.steps)}; loss curve: {out / 'loss.png'}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import _data
 import _jobctl
 import _report
 import torch
@@ -307,10 +308,13 @@ def train_serial(t: argparse.Namespace) -> tuple[list[float], list[float]]:
     losses: list[float] = []
     times: list[float] = []
     for step in tqdm(range(t.steps), desc="serial (1 process)", file=sys.stdout):
-        tokens = train.make_batch(t, step).to(t.device)
+        tokens = _data.tokens(t, step).to(t.device)
         t0 = time.perf_counter()
         with train.autocast(t):
-            loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+            if t.packed:
+                loss = packed_loss(model, tokens, _data.documents(t, step))
+            else:
+                loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip)
         opt.step()
@@ -320,6 +324,24 @@ def train_serial(t: argparse.Namespace) -> tuple[list[float], list[float]]:
         if not math.isfinite(losses[-1]):
             break  # the comparison reports it
     return losses, times
+
+
+def packed_loss(model: torch.nn.Module, tokens: torch.Tensor, docs: list[list[int]]) -> Any:
+    """The loss of packed rows as the parallel model defines it, from the stock model run on
+    each document alone (its sdpa path does not isolate documents given in one row): the mean
+    cross-entropy over every labelled token (each document's next-token targets; a
+    document's last token has none)."""
+    total, count = 0.0, 0
+    for row, offsets in enumerate(docs):
+        for a, b in zip(offsets, offsets[1:]):
+            if b - a < 2:
+                continue  # one token: no target (its label is -100, the next document's too)
+            logits = model(input_ids=tokens[row : row + 1, a:b], use_cache=False).logits
+            total = total + torch.nn.functional.cross_entropy(
+                logits[0, :-1].float(), tokens[row, a + 1 : b], reduction="sum"
+            )
+            count += b - a - 1
+    return total / count
 
 
 def summarize(h: argparse.Namespace, t: argparse.Namespace, record: dict[str, Any],

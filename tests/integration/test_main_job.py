@@ -203,6 +203,60 @@ def test_main_job_tiny_run_agrees_and_draws_the_trace(job_factory):
     job.assert_nothing_left()
 
 
+@pytest.mark.timeout(180)
+def test_main_job_packed_documents_agree_with_each_document_alone(job_factory):
+    """--packed: each row holds documents of random lengths (positions restarting at 0, label
+    -100 at each start); the harness's serial reference runs the stock model on each document
+    alone and takes the token mean over every labelled token. The curves agree (a tight tol),
+    and the first loss is the documents-alone loss, not the stock model's on the whole row
+    (which lets the documents see each other)."""
+    import _data
+    import train
+    import train_hybrid
+
+    job = job_factory("--steps", "2", "--packed", "--tol", "1e-4")
+    rc = job.finish(timeout=START_S + 60)
+    assert rc == 0, job.output()
+    assert _last_line(job.output()) == "train_hybrid: OK: parallel and serial loss curves agree"
+    assert "1 x 16 tokens per step, packed documents" in job.output()
+    first = json.loads((job.out / "losses.json").read_text())["losses"][0]
+    t = train.parse_args([*TINY[: TINY.index("--rank-timeout")], "--packed"])
+    docs = _data.documents(t, 0)
+    assert len(docs) == 1 and len(docs[0]) > 3, docs  # one row, several documents
+    model, batch = train.build_model(t), _data.batch(t, 0)
+    alone = train_hybrid.packed_loss(model, batch["input_ids"], docs).item()
+    whole = model(**batch, use_cache=False).loss.item()
+    assert first == pytest.approx(alone, rel=1e-6)
+    assert abs(first - whole) > 1e-4 * whole, (first, whole)  # 100x the agreement above
+    job.assert_nothing_left()
+
+
+@pytest.mark.timeout(300)
+def test_main_job_resume_continues_the_uninterrupted_run(tmp_path):
+    """train.py (no harness): 4 steps with a DCP checkpoint at step 2; a run given only that
+    checkpoint and --resume trains steps 3-4 with the uninterrupted run's losses (model and
+    AdamW state restored; the data stream depends on the step alone)."""
+    import shutil
+
+    def train_py(out: Path, *extra: str) -> dict:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={RANKS}", str(ROOT / "examples" / "train.py"),
+               *TINY[: TINY.index("--rank-timeout")], "--timeout", "60", "--out", str(out),
+               *extra]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=START_S + 60)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return json.loads((out / "losses.json").read_text())
+
+    whole = train_py(tmp_path / "whole", "--steps", "4", "--save-every", "2")
+    assert whole["first_step"] == 0 and len(whole["losses"]) == 4
+    shutil.copytree(tmp_path / "whole" / "ckpt" / "step-2", tmp_path / "resumed/ckpt/step-2")
+    resumed = train_py(tmp_path / "resumed", "--steps", "4", "--save-every", "2", "--resume")
+    assert resumed["first_step"] == 2 and len(resumed["losses"]) == 2
+    assert resumed["losses"] == pytest.approx(whole["losses"][2:], rel=1e-6, abs=0)
+    assert resumed["losses"] != pytest.approx(whole["losses"][:2], rel=1e-3)  # not a restart
+
+
 def test_curve_comparison_counts_nan_as_disagreement():
     import _report
 
