@@ -240,10 +240,17 @@ def rank_models(cases: list[tuple[str, str, str]]) -> dict[tuple, dict[str, Any]
 # ---- rejected calls -------------------------------------------------------------------------
 def rank_hf_errors() -> dict[str, Any]:
     """Every rejected input of a stock module, on every rank (type, message), with no
-    collective launched; accepted masks; then the module still works and can be undone."""
+    collective launched: those each rank rejects on its own (consistency mode off), then the
+    asymmetric ones, in consistency mode; accepted masks; then the module still works and can
+    be undone."""
     from transformers import DynamicCache
 
-    from hyper_parallel.context_parallel import record_events, unparallelize_mla
+    from hyper_parallel.context_parallel import (
+        pending_collectives,
+        record_events,
+        unparallelize_mla,
+    )
+    from hyper_parallel.dtensor import consistency_checks
 
     mesh = cp_mesh()
     p, r = mesh.size(), mesh.get_local_rank()
@@ -286,25 +293,36 @@ def rank_hf_errors() -> dict[str, Any]:
             "padding_mask": run(attention_mask=padded),
             "bool_mask_not_causal": run(attention_mask=torch.ones(1, 1, sl, sl, dtype=torch.bool)),
             "mask_2d": run(attention_mask=torch.ones(BATCH, sl)),
-            "mask_on_one_rank": run(attention_mask=padded if r == 1 else None),
             "hidden_width": lambda: call(m, variant, xl[..., :-1], block),
             "rope_of_full_sequence": run(position_embeddings=rope_tables(m, torch.arange(SEQ))),
             "packed": run(cu_seq_lens_q=torch.tensor([0, sl])),
             "packed_batch": run(cu_seqlens=torch.tensor([0, 5, SEQ])),
             "packed_order": run(cu_seqlens=torch.tensor([0, 5, 5, SEQ])),
             "packed_start": run(cu_seqlens=torch.tensor([1, SEQ])),
+        }
+        with consistency_checks(False):  # rejected by each rank alone, no communication
+            for name, fn in calls.items():
+                report[name] = _outcome(fn)
+            m.train()
+            m.attention_dropout = 0.1
+            report["dropout_in_training"] = _outcome(run())
+            m.attention_dropout = 0.0
+        # asymmetric inputs: no rank can see them alone (off, they would hang or, for tables,
+        # compute wrong attention); consistency mode compares the calls and verdicts
+        asymmetric = {
+            "mask_on_one_rank": run(attention_mask=padded if r == 1 else additive),
             "packed_tables_differ": lambda: call(
                 m, variant, xl[:1], block, cu_seqlens=torch.tensor([0, 5 + r, SEQ])
             ),
             "blocks_differ": lambda: call(m, variant, xl[:, : sl - r], block[: sl - r]),
+            "leak_on_one_rank": lambda: (_leak() if r == 1 else None, run()()),
         }
-        for name, fn in calls.items():
-            report[name] = _outcome(fn)
-        m.train()
-        m.attention_dropout = 0.1
-        report["dropout_in_training"] = _outcome(run())
-        m.attention_dropout = 0.0
-        report["launches_during_errors"] = [e.name for e in rec.events if e.kind == "launch"]
+        with consistency_checks():
+            for name, fn in asymmetric.items():
+                report[name] = _outcome(fn)
+        report["pending_after"] = pending_collectives()
+        launches = [e.name for e in rec.events if e.kind == "launch"]
+        report["launches_during_errors"] = [n for n in launches if n != "a2a:stale"]
 
     plain = call(m, variant, xl, block)[0].detach()
     report["accepted_masks_agree"] = all(
@@ -320,6 +338,15 @@ def rank_hf_errors() -> dict[str, Any]:
     )
     report["serial_after_undo"] = call(m, variant, x, torch.arange(SEQ))[0].detach()
     return report
+
+
+def _leak() -> None:
+    """A collective of a context-parallel block left pending on this rank only (a size-1
+    group: registered, nothing sent), as an exception between launch and wait leaves one."""
+    from hyper_parallel.context_parallel.transport import BLOCK_OWNER, Group, start_all_to_all
+
+    one = Group(None, 1, 0)
+    start_all_to_all(torch.zeros(1, 2, 2), 1, 2, one, "a2a:stale", "forward", BLOCK_OWNER)
 
 
 def _outcome(fn: Any) -> tuple[str, str]:

@@ -119,14 +119,35 @@ HF_ERRORS = {
     "packed_batch": ("ValueError", "need batch size 1"),
     "packed_order": ("ValueError", "must be strictly increasing"),
     "packed_start": ("ValueError", "must start at 0"),
-    "packed_tables_differ": ("ValueError", "the ranks' cu_seqlens tables differ"),
-    "blocks_differ": ("ValueError", "blocks differ in (B, S/P): [(2, 8), (2, 7)]"),
     "dropout_in_training": ("ValueError", "attention dropout 0.1 is not supported"),
+}
+# rejected only in consistency mode (asymmetric inputs: no rank can tell alone): the same
+# InconsistentRanksError on every rank -> (field it names, fragments of its message)
+_WHAT = "context-parallel DeepseekV3Attention forward: ranks disagree on"
+HF_ASYMMETRIC = {
+    "mask_on_one_rank": (
+        "verdict",
+        [
+            "ranks [0]: 'ok'; ranks [1]: 'ValueError: attention_mask must be None or plain causal",
+            "its entries are not the causal pattern",
+        ],
+    ),
+    "packed_tables_differ": ("cu_seqlens", ["ranks [0]: ((0, 5, 16)); ranks [1]: ((0, 6, 16))"]),
+    "blocks_differ": ("hidden_states", ["Tensor[2, 8, 24]", "Tensor[2, 7, 24]"]),
+    "leak_on_one_rank": (
+        "verdict",
+        [
+            "ranks [0]: 'ok'; ranks [1]: \"RuntimeError: context-parallel MLA forward: 1 "
+            "collective(s) were launched and never waited: ['a2a:stale (forward)']"
+        ],
+    ),
 }
 
 
 @pytest.mark.timeout(300)
 def test_stock_module_rejects_bad_calls_on_every_rank_before_communicating():
+    """HF_ERRORS: each rank rejects its own call, consistency mode off, no communication.
+    HF_ASYMMETRIC: inputs that differ across ranks, rejected in consistency mode only."""
     from _cp_hf import rank_hf_errors, serial_reference
 
     reports = run_distributed(rank_hf_errors, 2, timeout=TIMEOUT)
@@ -137,18 +158,16 @@ def test_stock_module_rejects_bad_calls_on_every_rank_before_communicating():
         assert rep["launches_during_errors"] == []
         assert rep["accepted_masks_agree"]
         assert rep["undone"]
+        assert rep["pending_after"] == []  # the leak was reported (and forgotten)
     for case in HF_ERRORS:  # the same text on every rank when every rank got the bad input
-        if case != "blocks_differ":
-            assert reports[0][case] == reports[1][case], case
-    assert reports[0]["blocks_differ"] == reports[1]["blocks_differ"]
-    # a bad mask on rank 1 only: rank 1 explains it, rank 0 names rank 1; both raise
-    assert reports[1]["mask_on_one_rank"][0] == "ValueError"
-    assert "not the causal pattern" in reports[1]["mask_on_one_rank"][1]
-    assert reports[0]["mask_on_one_rank"] == (
-        "ValueError",
-        "context-parallel MLA forward: rank(s) [1] rejected their call (attention_mask is "
-        "neither None nor plain causal); no rank communicated",
-    )
+        assert reports[0][case] == reports[1][case], case
+    for case, (field, fragments) in HF_ASYMMETRIC.items():  # one rank differs: every rank
+        assert reports[0][case] == reports[1][case], case  # raises the same error
+        exc, msg = reports[0][case]
+        assert exc == "InconsistentRanksError", (case, exc, msg)
+        assert msg.startswith(f"{_WHAT} {field!r} ("), (case, msg)
+        for fragment in fragments:
+            assert fragment in msg, (case, fragment, msg)
     ref = serial_reference("deepseek_rotate_half_yarn_qlora")["out"]
     torch.testing.assert_close(torch.cat([r["output"] for r in reports], 1), ref)
     for rep in reports:

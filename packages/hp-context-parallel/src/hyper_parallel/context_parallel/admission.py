@@ -1,18 +1,40 @@
-"""Admission of one call of a context-parallel MLA forward: checked, and agreed by every rank.
+"""Admission of one call of a context-parallel MLA forward: checked before the schedule.
 
-Every check that can reject a call runs before the first collective of the schedule. Each
-rank first judges its own call (no communication): ``hidden_states`` is ``[B, S/P, D]``,
-``past_key_values`` is None, the attention mask is None or plain causal, the caller's
-``(cos, sin)`` cover this rank's S/P tokens, a packed-documents table (``cu_seqlens``, or HF's
-``cu_seq_lens_q``/``cu_seq_lens_k``) if any is 1-D integer ``[0, …, S]`` strictly increasing
-with ``B == 1``, no attention dropout in training, and no collective leaked by an earlier call
-of a block. Then the ranks agree: one small all-reduce (sum) of a ``[P, 4]`` int64 table —
-row r holds rank r's verdict code, its ``(B, S/P)`` and a fingerprint of its documents table
-— so that every rank raises when any rank rejects its call (a padding mask present on one
-rank's block only, a past_key_values on one rank), when the ranks' blocks differ in shape or
-their tables differ, instead of some ranks entering the all-to-alls alone. This
-all-reduce is the only communication before the schedule; it runs on every call (P > 1) and is
-not counted by the event recorder.
+Every check that can reject a call runs before the first collective of the schedule, on each
+rank, on its own call, without communicating (consistency mode off, the default): ``hidden_states``
+is ``[B, S/P, D]``, ``past_key_values`` is None, the attention mask is None or plain causal,
+the caller's ``(cos, sin)`` cover this rank's S/P tokens, a packed-documents table
+(``cu_seqlens``, or HF's ``cu_seq_lens_q``/``cu_seq_lens_k``) if any is 1-D integer
+``[0, …, S]`` strictly increasing with ``B == 1``, no attention dropout in training, and no
+collective leaked by an earlier call of a block. These checks read shapes, Python values, the
+mask and the tables, which are the same on every rank when the inputs are symmetric, so every
+rank raises the same error, and a call that passes issues only the schedule's own
+collectives: no agreement collective on the hot path (nor in an activation-checkpointing
+recompute).
+
+Cross-rank agreement is consistency mode's job (``HP_CHECK_CONSISTENCY=1`` or
+``consistency_checks()``): :func:`check_call_consistent` compares, with hp-dtensor's
+``check_consistent`` (two small all-gathers, the only communication before the schedule), the
+call's signature — shapes, dtypes, options, the tables' values — and each rank's verdict
+(``"ok"`` or its error), so that asymmetric inputs (a mask on one rank only, a padding mask
+on the one block that has padding, tables or blocks that differ, a collective leaked on one
+rank) make every rank raise the same ``InconsistentRanksError`` instead of some ranks
+entering the all-to-alls alone. With consistency mode off such inputs are not detected: ranks
+whose blocks differ in shape, or of which only some reject, hang or fail in the first
+collective; ranks whose tables differ compute wrong attention (the exchanges do not depend on
+the table).
+
+Host syncs before the schedule (consistency mode off), all local, none added by admission:
+
+- a 4-D ``attention_mask`` tensor (HF's eager path; sdpa and flash pass None): its entries are
+  compared with the causal pattern on its device and the result read (one device-to-host sync
+  per call when the mask is on an accelerator; none for None or a CPU mask);
+- a packed-documents table: its values are read to the host once (``tolist()``) to check it;
+  a CPU table costs no device sync; a table on an accelerator costs one (unavoidable when
+  validating locally, and the NPU fused attention's ``TND`` form takes the offsets as host
+  ints anyway: :class:`Admission` hands it this host copy, so the attention reads nothing
+  back). A CPU table is then copied to the accelerator without blocking on CUDA (a fresh
+  pageable tensor, staged at once); elsewhere the copy is blocking.
 
 "Plain causal" masks (HF builds one per call, depending on the attention implementation):
 None (HF's sdpa / flash paths for a causal block), or a 4-D ``[1 or B, 1 or H, S/P, L]``
@@ -29,40 +51,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from hyper_parallel.context_parallel.families import MLACall, MLAFamily
 from hyper_parallel.context_parallel.mla import MLAConfig
-from hyper_parallel.context_parallel.transport import BLOCK_OWNER, leak_message, leaked_by
+from hyper_parallel.context_parallel.transport import BLOCK_OWNER, Group, leak_message, leaked_by
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
 
-__all__ = ["admit", "check_call_consistent", "mask_problem"]
+__all__ = ["Admission", "admit", "check_call_consistent", "mask_problem", "table_problem"]
 
-# verdict codes, in priority order (the lowest non-zero code on any rank names the error)
-OK, LEAK, HIDDEN, CACHE, MASK, ROPE, PACKED, DROPOUT, TABLES = range(9)
-_ERRORS: dict[int, tuple[type[Exception], str]] = {
-    LEAK: (RuntimeError, "collectives launched by an earlier call were never waited"),
-    HIDDEN: (ValueError, "hidden_states is not this rank's [B, S/P, hidden_size] block"),
-    CACHE: (ValueError, "past_key_values is set"),
-    MASK: (ValueError, "attention_mask is neither None nor plain causal"),
-    ROPE: (ValueError, "position_embeddings do not cover this rank's tokens"),
-    PACKED: (ValueError, "its cu_seqlens table is malformed"),
-    DROPOUT: (ValueError, "attention dropout is active"),
-    TABLES: (ValueError, "the ranks' cu_seqlens tables differ"),
-}
 _TABLE_KEYS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")  # ours, then HF's flash names
 
 
 @dataclass(frozen=True)
 class Admission:
     """What the schedule needs from an admitted call: B, S/P and the packed documents' global
-    offsets ``[0, …, S]`` (int64, on the block's device) or None."""
+    offsets ``[0, …, S]`` — ``documents`` int64 on the block's device, ``offsets`` the same
+    values as host ints (read once by the check) — or None for both."""
 
     batch: int
     s_local: int
     documents: Tensor | None = None
+    offsets: tuple[int, ...] | None = None
 
 
 def admit(
@@ -70,113 +81,93 @@ def admit(
     family: MLAFamily,
     dims: MLAConfig,
     call: MLACall,
-    pg: Any,
-    size: int,
-    rank: int,
-    device_type: str,
+    group: Group,
+    options: dict[str, Any],
 ) -> Admission:
-    """Judge ``call`` on this rank, agree with the other ranks, raise on every rank if any
-    rank rejects (same exception type; the rejecting rank's own message, or one naming the
-    rejecting ranks on the others)."""
-    code, message = _judge(module, family, dims, call, size, rank)
-    x = call.hidden_states
-    b, s = _shape_or_zero(x)
-    documents = _table(call) if code == OK else None
-    mark = _fingerprint(documents)
-    table: list[tuple[int, ...]]
-    if size == 1:
-        table = [(code, b, s, mark)]
-    else:
-        device = x.device if isinstance(x, Tensor) else torch.device(device_type)
-        t = torch.zeros(size, 4, dtype=torch.int64, device=device)
-        t[rank] = torch.tensor([code, b, s, mark], dtype=torch.int64)
-        dist.all_reduce(t, group=pg)
-        table = [tuple(int(v) for v in row) for row in t.tolist()]
-    codes = [row[0] for row in table]
-    if code != OK:
-        raise _ERRORS[code][0](message)
-    if any(codes):
-        first = min(c for c in codes if c)
-        ranks = [r for r, c in enumerate(codes) if c]
-        exc, what = _ERRORS[first]
-        raise exc(
-            f"context-parallel MLA forward: rank(s) {ranks} rejected their call ({what}); "
-            "no rank communicated"
-        )
-    shapes = [row[1:3] for row in table]
-    if len(set(shapes)) != 1:
-        raise ValueError(
-            "context-parallel MLA forward: the ranks' hidden_states blocks differ in (B, S/P): "
-            f"{shapes}; every rank must hold an equal contiguous block of the same batch"
-        )
-    if len({row[3] for row in table}) != 1:
-        raise ValueError(
-            "context-parallel MLA forward: the ranks' cu_seqlens tables differ (or only some "
-            "ranks passed one); every rank must pass the same global table; no rank "
-            "communicated"
-        )
-    if documents is not None:
-        documents = documents.to(device=x.device, dtype=torch.int64)
-    return Admission(b, s, documents)
+    """Judge ``call`` on this rank and raise if it is rejected (``ValueError``; a leaked
+    collective of an earlier call: ``RuntimeError``), with no communication. In consistency
+    mode the ranks first compare their calls and verdicts (:func:`check_call_consistent`):
+    ranks that disagree raise ``InconsistentRanksError`` on every rank, naming the field."""
+    error, offsets = _judge(module, family, dims, call, group.size, group.rank)
+    verdict = "ok" if error is None else f"{type(error).__name__}: {error}"
+    check_call_consistent(module, family, dims, call, group.pg, options, verdict)
+    if error is not None:
+        raise error
+    x: Tensor = call.hidden_states
+    b, s = int(x.shape[0]), int(x.shape[1])
+    if offsets is None:
+        return Admission(b, s)
+    return Admission(b, s, _on_device(_table(call), offsets, x.device), tuple(offsets))
 
 
-def _table(call: MLACall) -> Tensor | None:
-    """The packed documents' table of a judged call (its first table argument), or None."""
-    for key in _TABLE_KEYS:
-        value = call.kwargs.get(key)
-        if value is not None:
-            return value
-    return None
+def _table(call: MLACall) -> Tensor:
+    """The packed documents' table of an admitted call with one (its first table argument)."""
+    return next(call.kwargs[k] for k in _TABLE_KEYS if call.kwargs.get(k) is not None)
 
 
-def _fingerprint(documents: Tensor | None) -> int:
-    """A number that differs, in practice, between different tables (0: no table)."""
-    if documents is None:
-        return 0
-    values = [int(v) for v in documents.tolist()]
-    h = len(values)
-    for v in values:
-        h = (h * 1000003 + v + 1) % (1 << 61)
-    return h + 1
+def _on_device(table: Tensor, offsets: list[int], device: torch.device) -> Tensor:
+    """The validated table as int64 on ``device`` without waiting for the device: a table
+    already there is cast in place (no copy if int64); otherwise the host values are copied
+    from a fresh pageable tensor, which CUDA stages before returning (``non_blocking``: no
+    stream sync); other accelerators copy blocking."""
+    if table.device == device:
+        return table.to(torch.int64)
+    host = torch.tensor(offsets, dtype=torch.int64)
+    return host.to(device, non_blocking=device.type == "cuda")
 
 
-def table_problem(tables: dict[str, Any], b: int, s_full: int) -> str | None:
-    """None if the given tables (``cu_seqlens`` and/or HF's ``cu_seq_lens_q``/``_k``) are one
-    valid packed-documents table for a ``[b, s_full]`` sequence, else the reason."""
+def table_problem(tables: dict[str, Any], b: int, s_full: int) -> tuple[str | None, list[int]]:
+    """``(None, offsets)`` if the given tables (``cu_seqlens`` and/or HF's
+    ``cu_seq_lens_q``/``_k``) are one valid packed-documents table for a ``[b, s_full]``
+    sequence (``offsets``: its values, read to the host once per table), else
+    ``(reason, [])``."""
     first: list[int] | None = None
     for key, cu in tables.items():
         if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 2:
             got = tuple(cu.shape) if isinstance(cu, Tensor) else type(cu).__name__
-            return f"{key} must be a 1-D tensor [0, …, S] with at least 2 entries, got {got}"
+            return f"{key} must be a 1-D tensor [0, …, S] with at least 2 entries, got {got}", []
         if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
-            return f"{key} must be an integer tensor, got {cu.dtype}"
-        values = [int(v) for v in cu.tolist()]
+            return f"{key} must be an integer tensor, got {cu.dtype}", []
+        values = [int(v) for v in cu.tolist()]  # the one host read (a sync if on a device)
         if values[0] != 0:
-            return f"{key} must start at 0, got {values[0]}"
+            return f"{key} must start at 0, got {values[0]}", []
         if values[-1] != s_full:
-            return f"{key} must end at the sequence length S={s_full}, got {values[-1]}"
+            return f"{key} must end at the sequence length S={s_full}, got {values[-1]}", []
         if any(q <= p for p, q in zip(values, values[1:])):
-            return f"{key} must be strictly increasing (every document non-empty), got {values}"
+            return (
+                f"{key} must be strictly increasing (every document non-empty), got {values}",
+                [],
+            )
         if first is not None and values != first:
-            return f"{' and '.join(tables)} give different tables"
+            return f"{' and '.join(tables)} give different tables", []
         first = values
     if b != 1:
         names = ", ".join(tables)
-        return f"packed documents ({names}) need batch size 1 (one packed row), got B={b}"
-    return None
+        return f"packed documents ({names}) need batch size 1 (one packed row), got B={b}", []
+    return None, first or []
 
 
 def check_call_consistent(
-    module: Any, family: MLAFamily, dims: MLAConfig, call: MLACall, pg: Any, options: dict
+    module: Any,
+    family: MLAFamily,
+    dims: MLAConfig,
+    call: MLACall,
+    pg: Any,
+    options: dict[str, Any],
+    verdict: str = "ok",
 ) -> None:
     """Consistency mode only (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``; off: no
-    work, no communication): before :func:`admit` and the schedule, every rank of ``pg``
-    compares ``options`` (the rewrite's ``strategy`` and ``overlap``) and what the rewritten
-    forward decides from its call: the family, the MLA sizes, ``hidden_states``,
-    ``attention_mask`` and ``position_embeddings`` (shape, dtype, device type; never values),
-    the RoPE layout, ``past_key_values``' type, the names of the other arguments given,
-    training mode and dropout, and whether autograd records (the backward collectives). Every
-    rank raises ``InconsistentRanksError`` naming the first differing field and the ranks."""
+    work, no communication): before the schedule, every rank of ``pg`` compares ``options``
+    (the rewrite's ``strategy``, ``overlap`` and CP size), what the rewritten forward decides
+    from its call — the family, the MLA sizes, ``hidden_states``, ``attention_mask`` and
+    ``position_embeddings`` (shape, dtype, device type; never values), the RoPE layout,
+    ``past_key_values``' type, the names of the other arguments given, the packed-documents
+    tables' values, training mode and dropout, whether autograd records (the backward
+    collectives) — and ``verdict``, this rank's judgement of its call (``"ok"`` or
+    ``"<ExceptionType>: <message>"``, from :func:`admit`): a rank that rejects what the others
+    accept (a padding mask on its block only, a leaked collective) is a disagreement too.
+    Every rank raises ``InconsistentRanksError`` naming the first differing field (in name
+    order) and which ranks hold which value."""
     if not consistency_enabled():
         return
     config = getattr(module, "config", None)
@@ -193,59 +184,60 @@ def check_call_consistent(
         past_key_values=type(call.past_key_values).__name__,
         kwargs=sorted(k for k, v in call.kwargs.items() if v is not None),
         cu_seqlens=[
-            tuple(int(v) for v in t.tolist()) if isinstance(t, Tensor) else type(t).__name__
+            tuple(int(v) for v in t.reshape(-1).tolist())
+            if isinstance(t, Tensor)
+            else type(t).__name__
             for t in (call.kwargs.get(key) for key in _TABLE_KEYS)
             if t is not None
         ],
         training=bool(getattr(module, "training", False)),
         dropout=family.dropout(module),
         grad_enabled=torch.is_grad_enabled(),
+        verdict=verdict,
     )
-
-
-def _shape_or_zero(x: Any) -> tuple[int, int]:
-    if isinstance(x, Tensor) and x.dim() == 3:
-        return int(x.shape[0]), int(x.shape[1])
-    return 0, 0
 
 
 def _judge(
     module: Any, family: MLAFamily, c: MLAConfig, call: MLACall, size: int, rank: int
-) -> tuple[int, str]:
+) -> tuple[Exception | None, list[int] | None]:
+    """This rank's verdict on its own call, without communicating: ``(None, offsets)`` if
+    admitted (``offsets``: the packed documents' host values, or None), else
+    ``(error, None)`` with the error to raise."""
     leaked = leaked_by(BLOCK_OWNER)
     if leaked:
-        return LEAK, leak_message("context-parallel MLA forward", leaked)
+        return RuntimeError(leak_message("context-parallel MLA forward", leaked)), None
     x = call.hidden_states
     if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != c.hidden_size:
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        return HIDDEN, (
+        return ValueError(
             f"hidden_states must be this rank's sequence block [B, S/P, {c.hidden_size}], got {got}"
-        )
+        ), None
     if call.past_key_values is not None:
-        return CACHE, (
+        return ValueError(
             "past_key_values must be None: context-parallel attention keeps no KV cache. "
             "Hugging Face models create a DynamicCache whenever use_cache is on (the config "
             "default, also in training): call the model with use_cache=False"
-        )
+        ), None
     problem = mask_problem(call.attention_mask, x.shape[0], x.shape[1], c.num_heads, size, rank)
     if problem is not None:
-        return MASK, problem
+        return ValueError(problem), None
     if family.rope_source == "caller":
         problem = _rope_problem(call.position_embeddings, x, c)
         if problem is not None:
-            return ROPE, problem
+            return ValueError(problem), None
+    offsets: list[int] | None = None
     tables = {k: call.kwargs[k] for k in _TABLE_KEYS if call.kwargs.get(k) is not None}
     if tables:
-        problem = table_problem(tables, x.shape[0], x.shape[1] * size)
+        problem, offsets = table_problem(tables, x.shape[0], x.shape[1] * size)
         if problem is not None:
-            return PACKED, problem
+            return ValueError(problem), None
     p = family.dropout(module)
     if p > 0:
-        return DROPOUT, (
+        return ValueError(
             f"attention dropout {p} is not supported in training; set "
             "config.attention_dropout = 0.0 or call module.eval()"
-        )
-    return OK, ""
+        ), None
+    return None, offsets
 
 
 def _rope_problem(pe: Any, x: Tensor, c: MLAConfig) -> str | None:

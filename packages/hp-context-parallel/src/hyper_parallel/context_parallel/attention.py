@@ -13,11 +13,13 @@ implementations of the same signature ``(q, k, v, scale, cu_seqlens) -> [B, S, h
   Plain causal: layout ``"BSND"``. Packed documents: its variable-length form, layout
   ``"TND"`` (the row's ``S`` tokens, ``[T, h, d]``) with ``actual_seq_qlen`` =
   ``actual_seq_kvlen`` = the documents' cumulative end offsets ``cu_seqlens[1:]`` as a
-  Python list, so no ``S × S`` mask is built. Both use ``sparse_mode=3`` (causal, aligned
-  bottom-right, which equals top-left causal since every document's query and key lengths
-  are equal) with the ``2048 × 2048`` compressed upper-triangular ``atten_mask`` (True =
-  masked) that mode takes. When ``dv != dq`` the narrower operand is zero-padded to the wider
-  head dim and the output sliced (zero columns change neither ``q·k`` nor the kept output).
+  Python list (from ``offsets``, the host copy admission read, when the caller passes it:
+  then nothing is read back from the device), so no ``S × S`` mask is built. Both use
+  ``sparse_mode=3`` (causal, aligned bottom-right, which equals top-left causal since every
+  document's query and key lengths are equal) with the ``2048 × 2048`` compressed
+  upper-triangular ``atten_mask`` (True = masked) that mode takes. When ``dv != dq`` the
+  narrower operand is zero-padded to the wider head dim and the output sliced (zero columns
+  change neither ``q·k`` nor the kept output).
 
 :func:`attention_backend` chooses from the tensors' device type and dtype only: ``"npu"`` for
 float16/bfloat16/float32 tensors on an ``npu`` device (the dtypes the fused op takes), else
@@ -29,7 +31,7 @@ imported only when the npu branch runs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -55,29 +57,52 @@ def attention_backend(device_type: str, dtype: torch.dtype) -> str:
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, cu_seqlens: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None = None,
+    *,
+    offsets: Sequence[int] | None = None,
 ) -> Tensor:
     """Causal (``cu_seqlens`` None) or document-causal attention on ``q, k [B, S, h, dq]``,
     ``v [B, S, h, dv]`` holding every token of the sequence -> ``[B, S, h, dv]``, by the
-    implementation :func:`attention_backend` picks for ``q``."""
+    implementation :func:`attention_backend` picks for ``q``. ``offsets``: optionally the
+    values of ``cu_seqlens`` as host ints (the caller's validated copy), so that an
+    implementation needing them on the host (npu) reads nothing back from the device."""
     impl = _IMPLEMENTATIONS[attention_backend(q.device.type, q.dtype)]
-    return impl(q, k, v, scale, cu_seqlens)
+    return impl(q, k, v, scale, cu_seqlens, offsets=offsets)
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, cu_seqlens: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None = None,
+    *,
+    offsets: Sequence[int] | None = None,
 ) -> Tensor:
-    """The reference implementation (torch sdpa); the contract of :func:`attend`."""
+    """The reference implementation (torch sdpa); the contract of :func:`attend` (the mask is
+    built on the device from ``cu_seqlens``; ``offsets`` is not needed)."""
     if cu_seqlens is None:
         return causal_attention(q, k, v, scale)
     return document_causal_attention(q, k, v, scale, cu_seqlens)
 
 
 def npu_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, cu_seqlens: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None = None,
+    *,
+    offsets: Sequence[int] | None = None,
 ) -> Tensor:
     """:func:`attend` through ``torch_npu.npu_fusion_attention`` (see the module docstring);
-    the op's own autograd gives the backward."""
+    the op's own autograd gives the backward. The ``TND`` form takes the offsets as host ints:
+    ``offsets`` if given, else read from ``cu_seqlens`` (a device-to-host sync if it is on
+    the device)."""
     import torch_npu  # only on the npu branch: never imported on other devices
 
     h, dq = q.shape[-2:]
@@ -96,7 +121,7 @@ def npu_attention(
     if cu_seqlens is None:
         out = torch_npu.npu_fusion_attention(q, k, v, h, "BSND", **kwargs)[0]
     else:
-        ends = [int(e) for e in cu_seqlens[1:].tolist()]
+        ends = [int(e) for e in (offsets[1:] if offsets is not None else cu_seqlens[1:].tolist())]
         kwargs.update(actual_seq_qlen=ends, actual_seq_kvlen=ends)
         out = torch_npu.npu_fusion_attention(q[0], k[0], v[0], h, "TND", **kwargs)[0][None]
     return out[..., :dv] if dv < d else out

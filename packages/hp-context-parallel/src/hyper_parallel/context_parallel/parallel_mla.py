@@ -5,7 +5,8 @@ Rank r of the P-rank CP mesh holds tokens ``[r·S/P, (r+1)·S/P)``; the rewritte
 The module may be this package's ``MultiHeadLatentAttention`` or a Hugging Face
 ``DeepseekV3Attention`` / ``KimiLinearAttention``: a family adapter (``families.py``) says how
 to call and rotate it; the schedule below is the same for all of them. Each call is first
-admitted by every rank (``admission.py``).
+admitted by every rank on its own, without communicating (``admission.py``; the ranks compare
+their calls only in consistency mode), so a forward issues only the collectives below.
 
 Schedules with ``overlap=True`` (``overlap=False``: the same math, blocking collectives).
 
@@ -38,7 +39,7 @@ from typing import Any, TypeVar
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyper_parallel.context_parallel.admission import admit, check_call_consistent
+from hyper_parallel.context_parallel.admission import admit
 from hyper_parallel.context_parallel.attention import attend
 from hyper_parallel.context_parallel.exchange import Exchange, blocking, launch, wait
 from hyper_parallel.context_parallel.families import MLACall, MLAFamily, find_family
@@ -97,8 +98,7 @@ def _run(m: Any, call: MLACall) -> Tensor:
     st: _CPState = getattr(m, _STATE)
     c, fam = st.dims, st.family
     options = {"strategy": st.strategy, "overlap": st.overlap, "cp_size": st.size}
-    check_call_consistent(m, fam, c, call, st.group.pg, options)
-    adm = admit(m, fam, c, call, st.group.pg, st.size, st.rank, st.mesh.device_type)
+    adm = admit(m, fam, c, call, st.group, options)  # local; agreement in consistency mode
     x: Tensor = call.hidden_states
     rope = fam.rope(m, call, st.rank * adm.s_local, c)
     scale = fam.scale(m)
@@ -151,7 +151,7 @@ def _run(m: Any, call: MLACall) -> Tensor:
 
     q_h, k_h, v_h = mark("attention", True, q_h, k_h, v_h)
     # causal, or document-causal from the global table; sdpa or the NPU's fused attention
-    o_h = attend(q_h, k_h, v_h, scale, adm.documents)
+    o_h = attend(q_h, k_h, v_h, scale, adm.documents, offsets=adm.offsets)
     (o_h,) = mark("attention", False, o_h)
     eo = a2a("o", "h2s")
     if st.overlap:
@@ -274,7 +274,8 @@ def parallelize_mla(
     (from the global ``position_ids``) in the layout of ``config.rope_interleave``;
     ``KimiLinearAttention`` has none. Softmax scale: ``module.scaling`` for the HF modules.
     ``attention_mask`` must be None or plain causal and ``past_key_values`` None (every rank
-    checks and the ranks agree before the first collective: ``ValueError`` on every rank).
+    checks its own call before the first collective, without communicating: ``ValueError``
+    on every rank given the same bad input; the ranks compare in consistency mode).
 
     Packed documents (HF modules): ``cu_seqlens`` (1-D integer, the global document offsets
     ``[0, …, S]``, identical on every rank, ``B == 1``; Hugging Face's ``cu_seq_lens_q`` /
@@ -282,9 +283,9 @@ def parallelize_mla(
     exchange document-causal in both strategies: query ``i`` sees the keys ``j <= i`` of its
     own document, the serial module run on each document alone (the caller's
     ``position_embeddings`` come from per-document positions). The exchanges are unchanged.
-    A table not starting at 0, not ending at S, not strictly increasing, given with
-    ``B > 1``, or differing across ranks raises ``ValueError`` on every rank, before the
-    schedule's first collective.
+    A table not starting at 0, not ending at S, not strictly increasing, or given with
+    ``B > 1`` raises ``ValueError`` before the schedule's first collective (on every rank
+    given it); tables differing across ranks are detected in consistency mode.
 
     ``strategy``: ``"expanded"`` (a2a of Q, K and V) or ``"latent"`` (a2a of Q, all-gather of
     the ``kv_lora_rank + qk_rope_head_dim`` latent). ``overlap``: overlap collectives with
@@ -293,9 +294,10 @@ def parallelize_mla(
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): each forward
     first compares, over the CP group, ``strategy``, ``overlap``, the CP size and what the
     forward decides from its call (family, sizes, ``hidden_states``/mask/RoPE shapes and dtypes,
-    training mode; see ``admission.check_call_consistent``), so a rank rewritten with another
-    strategy, or given another block length or dtype, makes every rank raise
-    ``InconsistentRanksError`` instead of hanging.
+    the packed-documents tables, training mode) and each rank's verdict on its call (see
+    ``admission.check_call_consistent``), so a rank rewritten with another strategy, given
+    another block length or dtype, another table, or a bad input the others do not have,
+    makes every rank raise ``InconsistentRanksError`` instead of hanging.
 
     Errors, raised identically on every rank before any communication, leaving the module
     untouched: ``TypeError`` (a module of no supported family — the message lists them —,
