@@ -1,5 +1,6 @@
 """The main job's failure paths (examples/train_hybrid.py, the harness that runs
-examples/train.py under torchrun), on a tiny model and 2 CPU ranks.
+examples/train.py under torchrun), on a tiny model and 2 CPU ranks; also the shortest run,
+``--packed`` against each document alone, and train.py's ``--resume``.
 
 Each test starts the job as a user would (the harness launches torchrun itself), with a tag of
 its own in the environment that every process of the job inherits, and afterwards scans /proc
