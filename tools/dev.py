@@ -38,13 +38,15 @@ def _tools_python() -> Path:
     return py
 
 
-# ``test`` runs nox's default sessions in two lanes at once: the package and integration
-# tests keep the machine's cores busy only part of the time (rank start-up, imports and gloo
-# waits leave about half of two cores idle), and the checks lane is mostly builds, downloads
-# and single-process work. Every default session is in exactly one lane
-# (tests/tools/test_dev.py). HP_TEST_LANES=1 runs them one after another, as plain nox does.
+# ``test`` runs nox's default sessions in three lanes at once: each keeps the machine's cores
+# busy only part of the time (rank start-up, imports and gloo waits leave about half of two
+# cores idle in the package tests; the checks lane is mostly builds, downloads and
+# single-process work), and three lanes of similar length end sooner than two unequal ones.
+# Every default session is in exactly one lane (tests/tools/test_dev.py). HP_TEST_LANES=1 runs
+# them one after another, as plain nox does.
 LANES = {
-    "tests": ["tests", "integration"],
+    "tests": ["tests"],
+    "integration": ["integration"],
     "checks": ["lint", "pins", "lowest", "wheelhouse", "compat_ci"],
 }
 
