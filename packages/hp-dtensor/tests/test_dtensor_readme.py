@@ -29,3 +29,48 @@ def test_gloo_connection_messages_are_removed_even_when_interleaved():
     assert strip_gloo_connected("2 (0," + msg.format(3) + "\n 2)\n") == "2 (0, 2)\n"
     # the example's own text is never touched
     assert strip_gloo_connected("Rank 3 is connected\n") == "Rank 3 is connected\n"
+
+
+_C_PRINTING = """
+import ctypes
+from hyper_parallel.dtensor.testing import run_distributed
+
+
+def shout(lines):
+    import time
+    import torch.distributed as dist
+
+    libc = ctypes.CDLL(None)
+    for i in range(lines):  # C stdio in pieces, as gloo's C++ prints its lines
+        libc.printf(b"rank %d ", dist.get_rank())
+        libc.printf(b"line %04d ", i)
+        libc.printf(b"%s\\n", b"x" * 60)
+        time.sleep(0.002)  # the ranks' output overlaps in time
+    return dist.get_rank()
+
+
+if __name__ == "__main__":
+    assert run_distributed(shout, 4, 200) == [0, 1, 2, 3]
+    print("done", flush=True)
+"""
+
+
+def test_ranks_c_output_arrives_in_whole_lines_before_the_callers_own(tmp_path):
+    """What ranks print from C/C++ (torch 2.10's gloo does) comes out line by line, never cut
+    mid-line by another rank's output, and before what the caller prints after the run."""
+    import re
+    import subprocess
+    import sys
+
+    script = tmp_path / "shout.py"
+    script.write_text(_C_PRINTING)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "done"
+    pattern = re.compile(r"rank [0-3] line \d{4} x{60}")
+    bad = [ln for ln in lines[:-1] if not pattern.fullmatch(ln)]
+    assert not bad, bad[:5]
+    assert len(lines) == 4 * 200 + 1

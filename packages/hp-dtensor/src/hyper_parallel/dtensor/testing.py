@@ -129,6 +129,7 @@ def _rank_main(
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
+        _line_buffered_c_stdout()
         fn, args, kwargs = pickle.loads(payload)
         dist.init_process_group(
             backend,
@@ -137,6 +138,7 @@ def _rank_main(
             timeout=timedelta(seconds=max(timeout, 1.0)),
         )
         result = fn(*args, **kwargs)
+        _flush_c_stdout()  # what C++ printed reaches the caller before the result does
         queue.put((rank, "ok", pickle.dumps(result)))
         # Rank 0 hosts the rendezvous store: nobody leaves (taking the store or a peer
         # connection with it) while a slower rank may still be creating groups.
@@ -144,6 +146,41 @@ def _rank_main(
         dist.destroy_process_group()
     except BaseException as exc:
         queue.put((rank, type(exc).__name__, traceback.format_exc()))
+
+
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None)
+
+
+def _line_buffered_c_stdout() -> None:
+    """Make the rank's C stdout line buffered. Libraries print from C++ through it (torch
+    2.10's gloo prints a line per group it connects); into a pipe it is block buffered, so
+    several ranks' output would arrive in arbitrary 4 KiB pieces, cut mid-line, and after the
+    caller's own prints; unbuffered (Python sets it so under ``PYTHONUNBUFFERED``, as nox
+    does) every ``<<`` is a write of its own and ranks' lines mix piece by piece. Line
+    buffered, each line is one write (atomic on a pipe). The buffer is given explicitly: an
+    unbuffered glibc stream would otherwise keep its one-byte buffer."""
+    try:
+        import ctypes
+
+        libc = _libc()
+        _C_STDOUT_BUFFER.append(ctypes.create_string_buffer(1 << 16))  # alive while we live
+        stream = ctypes.c_void_p.in_dll(libc, "stdout")
+        libc.setvbuf(stream, _C_STDOUT_BUFFER[-1], 1, 1 << 16)  # 1: _IOLBF
+    except (OSError, ValueError, AttributeError):  # not glibc-like: leave it as it is
+        pass
+
+
+_C_STDOUT_BUFFER: list[Any] = []
+
+
+def _flush_c_stdout() -> None:
+    try:
+        _libc().fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 PRELOAD_ENV = "HP_TEST_PRELOAD"
