@@ -160,10 +160,37 @@ def _body() -> dict[str, Any]:
     return {"layer": bench_layer(), "model": bench_model()}
 
 
+def _records(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per comparison: ours = many documents, baseline = one document of the same
+    length (the slowest rank's median step; bytes received per rank, the largest rank's)."""
+    out = []
+    for what, name in (("layer", "models_documents/kda_layer_T2048"),
+                       ("model", "models_documents/kimi_step_T1024")):  # fmt: skip
+        one, many = list(results[0][what])
+        t = {c: max(r[what][c][0] for r in results) for c in (one, many)}
+        b = {c: max(r[what][c][1] for r in results) for c in (one, many)}
+        out.append({
+            "name": f"{name}/{many.split()[0]}_docs_vs_1_doc", "ours_s": t[many],
+            "baseline_s": t[one], "ratio": t[many] / t[one], "bytes_ours": b[many],
+            "bytes_baseline": b[one], "device": "cpu", "world_size": len(results),
+        })  # fmt: skip
+    return out
+
+
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="append the records to this JSON list")
+    parser.add_argument("--quick", action="store_true", help="accepted; the shapes are fixed")
+    cli = parser.parse_args()
     results = run_distributed(_body, 2, timeout=1200)
     for what, title in (("layer", "KDA layer (T=2048)"), ("model", "Kimi-Linear step (T=1024)")):
         for case in results[0][what]:
             times = [r[what][case][0] for r in results]
             sent = [r[what][case][1] for r in results]
             print(f"{title}, {case}: {max(times) * 1e3:.1f} ms, bytes received per rank {sent}")
+    if cli.out:
+        from hyper_parallel.dtensor.benchmarking import write_records
+
+        write_records(cli.out, _records(results))
