@@ -1,1 +1,1 @@
-__version__ = "0.3.2.dev1"
+__version__ = "0.3.2.dev2"
