@@ -19,14 +19,16 @@ gloo's staging copies); hp-dtensor's dispatch-level tracker is recorded beside i
 
 Under a modeled link (hp-dtensor's ``simulated_link``, a simulation: every collective
 completes no earlier than launch + latency + bytes / bandwidth, one transfer at a time, the
-wait sleeping for what compute has not hidden), records ``.../link/...``: ours at the chunk
-count ``default_chunks`` gives an accelerator for these shapes, and at 8 chunks, vs torch's
-blocking SP pair (interleaved in one run), with the link's bandwidth chosen so that the
-blocking pair's bytes per step take as long as its compute (its step without the link, less
-gloo's real transfers); ``hidden_fraction = (T_blocking - T_ours) / T_link``, ``T_link`` the
-blocking pair's modeled link seconds per step.
+wait sleeping for what compute has not hidden), records ``.../link/...``: ours at every chunk
+count of ``LINK_CHUNKS`` and at ``auto`` (``chunks=None``: ``default_chunks`` for this
+device), vs torch's blocking SP pair (all interleaved in one run), with the link's bandwidth
+chosen so that the blocking pair's bytes per step take as long as its compute (its step
+without the link, less gloo's real transfers); ``hidden_fraction = (T_blocking - T_ours) /
+T_link``, ``T_link`` the blocking pair's modeled link seconds per step; the peak memory of one
+step (without the link) beside each.
 
     python packages/hp-mc2/benchmarks/bench_mc2.py --out bench-results/mc2.json [--quick]
+        [--link-only]
     torchrun --nproc-per-node 2 packages/hp-mc2/benchmarks/bench_mc2.py --device cuda --out ...
 
 Without torchrun it starts 2 gloo ranks on this machine; under torchrun it uses the launched
@@ -74,6 +76,7 @@ from hyper_parallel.mc2 import (
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LINK_CHUNKS = (1, 2, 4, 8, 16)  # the chunk counts the modeled-link table compares (+ auto)
 
 
 class MLP(nn.Module):
@@ -216,6 +219,7 @@ def _link_records(
     latency, b = cfg["link_latency"], baseline
     bandwidth, t_plain, t_compute, nbytes = calibrate_link(cases[b], cfg["repeats"])
     run = {b: cases[b], **{a: cases[a] for a in ours.values()}}
+    peaks = {case: allocator_peak_bytes(fn, device) for case, fn in run.items()}
     with simulated_link(latency, bandwidth):
         times = interleaved_timing(run, repeats=cfg["repeats"], warmup=1, device=device)
     t_link = {}
@@ -241,6 +245,8 @@ def _link_records(
             simulated=True,
             link_latency_s=latency,
             link_bytes_per_s=bandwidth,
+            peak_mem_ours=peaks[a],
+            peak_mem_baseline=peaks[b],
             t_link_s=t_link[b],
             t_link_ours_s=t_link[a],
             t_step_blocking_s=t_plain,
@@ -285,8 +291,8 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
     torch.manual_seed(0)
     base = GatedMLP(hidden, ffn).to(device=device, dtype=dtype)
     seq = 1
-    chunks = default_chunks(tokens // ws, hidden, ffn // ws, ws, "cuda")  # an accelerator's
-    link_chunks = sorted({chunks, 8})
+    auto = default_chunks(tokens // ws, hidden, 2 * ffn // ws, ws, device.type)
+    link_chunks = cfg["link_chunks"]
 
     def build(styles: Any) -> nn.Module:
         return parallelize_module(copy.deepcopy(base), mesh, styles)
@@ -342,23 +348,26 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
 
     cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
     link_cases = {f"gated_ours_chunks{c}": cases.pop(f"gated_ours_chunks{c}") for c in link_chunks}
-    m = _measure(
-        cases,
-        {name: (lambda m=m: forward(m)) for name, m in models.items()},
-        cfg,
-        device,
-    )
-    pairs = [
-        (f"mc2_gated_mlp_fwd_bwd/gated_ours_vs_{b[6:]}", "gated_ours", b)
-        for b in ("gated_torch_tp_sp", "gated_torch_shared_gather", "gated_mc2_separate")
-    ]
     shapes = {"tokens": tokens, "hidden": hidden, "ffn": ffn, "dtype": cfg["dtype"]}
-    records = _records(m, pairs, device, repeats=cfg["repeats"], **shapes)
+    records = []
+    if not cfg["link_only"]:
+        m = _measure(
+            cases,
+            {name: (lambda m=m: forward(m)) for name, m in models.items()},
+            cfg,
+            device,
+        )
+        pairs = [
+            (f"mc2_gated_mlp_fwd_bwd/gated_ours_vs_{b[6:]}", "gated_ours", b)
+            for b in ("gated_torch_tp_sp", "gated_torch_shared_gather", "gated_mc2_separate")
+        ]
+        records += _records(m, pairs, device, repeats=cfg["repeats"], **shapes)
     if cfg["link"]:
         cases.update(link_cases)
         ours = {f"mc2_gated_mlp_fwd_bwd/link/{n}_vs_torch_tp_sp": n for n in link_cases}
+        ours["mc2_gated_mlp_fwd_bwd/link/gated_ours_auto_vs_torch_tp_sp"] = "gated_ours"
         records += _link_records(
-            cases, ours, "gated_torch_tp_sp", cfg, device, default_chunks_accel=chunks, **shapes
+            cases, ours, "gated_torch_tp_sp", cfg, device, default_chunks=auto, **shapes
         )
     return records
 
@@ -421,12 +430,6 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         return y, (lambda: y.backward(dy))
 
     cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
-    m = _measure(
-        cases,
-        {name: (lambda m=m: forward(m)) for name, m in models.items()},
-        cfg,
-        device,
-    )
     shapes = {
         "tokens": tokens,
         "hidden": hidden,
@@ -442,18 +445,23 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         ("mc2_mlp_fwd_bwd/ours_chunks4_vs_torch_tp_sp", "ours_chunks4", "torch_tp_sp"),
         ("mc2_mlp_fwd_bwd/ours_chunks4_vs_ours_chunks1", "ours_chunks4", "ours_chunks1"),
     ]
-    records += _records(m, pairs, device, **shapes)
+    if not cfg["link_only"]:
+        m = _measure(
+            cases,
+            {name: (lambda m=m: forward(m)) for name, m in models.items()},
+            cfg,
+            device,
+        )
+        records += _records(m, pairs, device, **shapes)
     if cfg["link"]:
-        chunks = default_chunks(tokens // ws, hidden, ffn // ws, ws, "cuda")  # an accelerator's
         ours = {}
-        for c in sorted({chunks, 8}):
+        for c in cfg["link_chunks"]:
             name = f"ours_chunks{c}"
             if name not in cases:
                 cases[name] = _mlp_case(base, mesh, c, step)
             ours[f"mc2_mlp_fwd_bwd/link/{name}_vs_torch_tp_sp"] = name
-        records += _link_records(
-            cases, ours, "torch_tp_sp", cfg, device, default_chunks_accel=chunks, **shapes
-        )
+        ours["mc2_mlp_fwd_bwd/link/ours_auto_vs_torch_tp_sp"] = "ours_default"
+        records += _link_records(cases, ours, "torch_tp_sp", cfg, device, **shapes)
     return records
 
 
@@ -479,6 +487,11 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--block", default="both", choices=["mlp", "gated", "both"])
     p.add_argument("--link-latency", type=float, default=20e-6, help="modeled link latency (s)")
     p.add_argument("--no-link", action="store_true", help="skip the modeled-link comparisons")
+    p.add_argument("--link-only", action="store_true", help="only the modeled-link comparisons")
+    p.add_argument(
+        "--link-chunks", default=",".join(map(str, LINK_CHUNKS)),
+        help="comma-separated chunk counts of the modeled-link table (auto is always added)",
+    )  # fmt: skip
     a = p.parse_args(argv)
     quick = (1024, 512, 2048, 3) if a.quick else (4096, 1024, 4096, 5)
     gated = (1024, 512, 1408) if a.quick else (4096, 1024, 2816)
@@ -495,6 +508,8 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "repeats": a.repeats or quick[3],
         "warmup": 1,
         "link": not a.no_link,
+        "link_only": a.link_only and not a.no_link,
+        "link_chunks": sorted({int(c) for c in a.link_chunks.split(",")}),
         "link_latency": a.link_latency,
     }
     return cfg, a.out

@@ -30,14 +30,8 @@ from torch.distributed.tensor import DTensor
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.amp import autocast_off, cast_for_autocast, without_autocast
 from hyper_parallel.dtensor.consistency import consistency_enabled
-from hyper_parallel.mc2._chunked import (
-    gather_matmuls,
-    matmul_reduce_scatter_bwd,
-    matmul_reduce_scatter_fwd,
-    matmuls_reduce_scatter_grads,
-    splits,
-)
-from hyper_parallel.mc2._collectives import all_gather_async
+from hyper_parallel.mc2._chunked import Splits, _Gather, splits
+from hyper_parallel.mc2._collectives import all_gather_async, reduce_scatter_async
 from hyper_parallel.mc2.activation import check_elementwise_activation
 from hyper_parallel.mc2.backend import (
     BACKENDS,
@@ -72,6 +66,123 @@ def _act_grads(act: Act, g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor) -> 
     du = dh.mul_(a.detach())  # dH ⊙ act(G), in dH's storage
     (dg,) = torch.autograd.grad(a, g_, gu)
     return dg, du
+
+
+def _pipelined_forward(
+    x: torch.Tensor,
+    ws_: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    bs: tuple[Any, Any],
+    act: Act,
+    group: Any,
+    ws: int,
+    parts: Splits,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch`` backend forward, ``(Y, G, U)``, one pipeline over the row chunks: chunk j is
+    gathered under chunk j-1's gate/up/down matmuls, and chunk j's reduce-scatter runs under
+    chunk j+1's (the link carries ``X_{j+1}`` before ``RS_j``). Only the first gather and the
+    last reduce-scatter have no matmul to hide under. ``H`` exists one chunk at a time."""
+    wg, wu, wd = ws_
+    bg, bu = bs
+    m, fl = x.shape[0], wg.shape[0]
+    gather = _Gather(x, group, ws, parts)
+    first: torch.Tensor | None = gather.next()
+    single = len(parts) == 1
+    g = u = None
+    if not single:  # allocated once the first chunk has arrived (see _chunked)
+        g, u = (x.new_empty(ws, m, fl) for _ in range(2))
+    y = x.new_empty(m, wd.shape[0])
+    pending = []
+    for off, mj in parts:
+        chunk = first if first is not None else gather.next()
+        first = None
+        gj, uj = torch.matmul(chunk, wg.t()), torch.matmul(chunk, wu.t())  # [ws, m_j, F/ws]
+        del chunk
+        if bg is not None:
+            gj.add_(bg)
+        if bu is not None:
+            uj.add_(bu)
+        if single:
+            g, u = gj, uj
+        else:
+            assert g is not None and u is not None
+            g[:, off : off + mj], u[:, off : off + mj] = gj, uj
+        partial = torch.matmul(_gated(act, gj, uj), wd.t())  # [ws, m_j, D], summed over ranks
+        del gj, uj
+        pending.append((reduce_scatter_async(y[off : off + mj], partial, group), partial))
+        del partial
+    for work, _ in pending:
+        work.wait()
+    assert g is not None and u is not None
+    return y, g.view(ws * m, fl), u.view(ws * m, fl)
+
+
+def _pipelined_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    ws_: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    act: Act,
+    group: Any,
+    ws: int,
+    parts: Splits,
+    need: tuple[bool, ...],
+) -> list[Any]:
+    """``torch`` backend backward, ``[dx, dW_g, dW_u, dW_d, db_g, db_u, db_d]`` (``None`` where
+    not needed), one pipeline over the row chunks. Chunk j: ``dY_j`` arrives (``dY_{j+1}``
+    starts), ``H_j`` is recomputed, ``dH_j = dY_j W_d``, ``dW_d += dY_jᵀ H_j``, ``dG_j``,
+    ``dU_j``, ``dx_j = dG_j W_g + dU_j W_u`` is reduce-scattered once ``X_j`` (gathered again)
+    has arrived, under ``dW_g += dG_jᵀ X_j``, ``dW_u += dU_jᵀ X_j`` and the next chunk's work.
+    Only the first ``dY`` chunk has no matmul to hide under. ``g`` and ``u`` are consumed."""
+    wg, wu, wd = ws_
+    need_x, need_wg, need_wu = need[:3]
+    need_bg, need_bu, need_bd = need[4:7]
+    m, dm = dy.shape
+    fl = wg.shape[0]
+    need_act = need_x or need_wg or need_wu or need_bg or need_bu
+    gdy = _Gather(dy, group, ws, parts)
+    first: torch.Tensor | None = gdy.next()
+    gx = _Gather(x, group, ws, parts) if need_wg or need_wu else None
+    g3, u3 = g.view(ws, m, fl), u.view(ws, m, fl)
+    dx = dy.new_empty(m, x.shape[1]) if need_x else None
+    dwg, dwu, dwd = (dy.new_zeros(w.shape) if n else None for w, n in zip(ws_, need[1:4]))
+    dbg = dy.new_zeros(fl) if need_bg else None
+    dbu = dy.new_zeros(fl) if need_bu else None
+    dbd = dy.new_zeros(dm) if need_bd else None
+    pending = []
+    for off, mj in parts:
+        dyj = first if first is not None else gdy.next()  # [ws, m_j, D]
+        first = None
+        gj, uj = g3[:, off : off + mj], u3[:, off : off + mj]
+        if dwd is not None:
+            dwd.addmm_(dyj.view(ws * mj, dm).t(), _gated(act, gj, uj).reshape(ws * mj, fl))
+        if dbd is not None:
+            dbd.add_(dyj.sum(dim=(0, 1)))
+        if not need_act:
+            continue
+        dgj, duj = _act_grads(act, gj, uj, torch.matmul(dyj, wd))
+        del dyj
+        if dbg is not None:
+            dbg.add_(dgj.sum(dim=(0, 1)))
+        if dbu is not None:
+            dbu.add_(duj.sum(dim=(0, 1)))
+        partial = None
+        if dx is not None:
+            partial = torch.matmul(dgj, wg)  # [ws, m_j, D], summed over ranks below
+            partial.baddbmm_(duj, wu.expand(ws, *wu.shape))
+        xj = gx.next().view(ws * mj, -1) if gx is not None else None
+        if partial is not None:
+            pending.append((reduce_scatter_async(dx[off : off + mj], partial, group), partial))
+            del partial
+        if xj is not None:
+            for dw, d in ((dwg, dgj), (dwu, duj)):
+                if dw is not None:
+                    dw.addmm_(d.reshape(ws * mj, fl).t(), xj)
+            del xj
+        del dgj, duj
+    for work, _ in pending:
+        work.wait()
+    return [dx, dwg, dwu, dwd, dbg, dbu, dbd]
 
 
 class _GatedMLP(torch.autograd.Function):
@@ -109,19 +220,16 @@ class _GatedMLP(torch.autograd.Function):
                 gather_output=False,
             )
             g, u = gu[:, :fl], gu[:, fl:]
+            if bg is not None:
+                g.add_(bg)
+            if bu is not None:
+                u.add_(bu)
+            h = _gated(act, g, u)
+            y = ops.npu_mm_reduce_scatter_base(h, wd.t(), hcom, ws, reduce_op="sum", bias=None)
+            del h
         else:
             ctx.splits = splits(x.shape[0], chunks)
-            (g, u), _ = gather_matmuls(x, [wg, wu], group, ws, ctx.splits, keep=False)
-        if bg is not None:
-            g.add_(bg)
-        if bu is not None:
-            u.add_(bu)
-        h = _gated(act, g, u)
-        if backend == "npu":
-            y = ctx.ops.npu_mm_reduce_scatter_base(h, wd.t(), hcom, ws, reduce_op="sum", bias=None)
-        else:
-            y = matmul_reduce_scatter_fwd(h, wd, group, ws, ctx.splits)
-        del h
+            y, g, u = _pipelined_forward(x, (wg, wu, wd), (bg, bu), act, group, ws, ctx.splits)
         if bd is not None:
             y.add_(bd)
         ctx.save_for_backward(x, wg, wu, wd)
@@ -147,48 +255,35 @@ class _GatedMLP(torch.autograd.Function):
         need_bg, need_bu, need_bd = need[4:7]
         group, ws, act = ctx.group, ctx.ws, ctx.act
         dy = dy.contiguous()
+        if ctx.backend != "npu":
+            grads = _pipelined_backward(
+                dy, x, g, u, (wg, wu, wd), act, group, ws, ctx.splits, need[:7]
+            )
+            return (*grads, None, None, None, None)
+        # npu: the fused kernels, one phase at a time
         h = _gated(act, g, u)  # recomputed: one per-element pass instead of a saved [ws·m, F/ws]
-        if ctx.backend == "npu":
-            dh, dy_full = ctx.ops.npu_all_gather_base_mm(
-                dy, wd, ctx.hcom, ws, bias=None, gather_index=0, gather_output=True
-            )
-            dwd = dy_full.t() @ h if need_wd else None
-            dbd = dy_full.sum(0) if need_bd else None
-            del dy_full
-        else:
-            dh, dwd, dbd = matmul_reduce_scatter_bwd(
-                dy, h, wd, group, ws, ctx.splits, need_dx=True, need_dw=need_wd, need_db=need_bd
-            )
-        del h
+        dh, dy_full = ctx.ops.npu_all_gather_base_mm(
+            dy, wd, ctx.hcom, ws, bias=None, gather_index=0, gather_output=True
+        )
+        dwd = dy_full.t() @ h if need_wd else None
+        dbd = dy_full.sum(0) if need_bd else None
+        del dy_full, h
         dg, du = _act_grads(act, g, u, dh)
         del g, u, dh
         dbg = dg.sum(0) if need_bg else None
         dbu = du.sum(0) if need_bu else None
         dx = dwg = dwu = None
-        if ctx.backend == "npu":
-            if need_x:
-                dgu = torch.cat([dg, du], dim=1)
-                dx = ctx.ops.npu_mm_reduce_scatter_base(
-                    dgu, torch.cat([wg, wu]), ctx.hcom, ws, reduce_op="sum", bias=None
-                )
-                del dgu
-            if need_wg or need_wu:
-                big_x = x.new_empty(ws * x.shape[0], x.shape[1])
-                all_gather_async(big_x, x, group).wait()
-                dwg = dg.t() @ big_x if need_wg else None
-                dwu = du.t() @ big_x if need_wu else None
-        elif need_x or need_wg or need_wu:
-            dx, (dwg, dwu) = matmuls_reduce_scatter_grads(
-                [dg, du],
-                [wg, wu],
-                x,
-                [],
-                group,
-                ws,
-                ctx.splits,
-                need_dx=need_x,
-                need_dw=[need_wg, need_wu],
+        if need_x:
+            dgu = torch.cat([dg, du], dim=1)
+            dx = ctx.ops.npu_mm_reduce_scatter_base(
+                dgu, torch.cat([wg, wu]), ctx.hcom, ws, reduce_op="sum", bias=None
             )
+            del dgu
+        if need_wg or need_wu:
+            big_x = x.new_empty(ws * x.shape[0], x.shape[1])
+            all_gather_async(big_x, x, group).wait()
+            dwg = dg.t() @ big_x if need_wg else None
+            dwu = du.t() @ big_x if need_wu else None
         return dx, dwg, dwu, dwd, dbg, dbu, dbd, None, None, None, None
 
 
