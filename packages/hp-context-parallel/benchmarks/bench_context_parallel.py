@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hyper_parallel.context_parallel import (
     MLAConfig,
     MultiHeadLatentAttention,
+    mla_head_groups,
     parallelize_mla,
     record_events,
 )
@@ -68,6 +69,8 @@ PAIRS = [
     ("latent_vs_expanded_blocking", "latent_blocking", "expanded_blocking"),
 ]
 BLOCKS = {"mla": "cp_mla_fwd_bwd", "deepseek_v3": "cp_hf_deepseek_v3_fwd_bwd"}
+# the head-group pipeline, compared under the modeled link: (suffix, head_groups)
+LINK_GROUPS = [("g2", 2), ("g4", 4), ("g8", 8), ("auto", "auto")]
 
 
 def _mla_block(cfg: dict[str, Any], rank: int, ws: int) -> tuple[torch.nn.Module, Any]:
@@ -140,6 +143,13 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
             name: parallelize_mla(copy.deepcopy(base), mesh, strategy=strategy, overlap=overlap)
             for name, strategy, overlap in CASES
         }
+        if block == "mla" and cfg["link"]:
+            for strategy in ("expanded", "latent"):
+                for suffix, groups in _link_groups(cfg, ws):
+                    models[f"{strategy}_overlap_{suffix}"] = parallelize_mla(
+                        copy.deepcopy(base), mesh, strategy=strategy, head_groups=groups
+                    )
+        plain = {name for name, _, _ in CASES}
         del base
 
         def step(model: torch.nn.Module, call: Any = call) -> None:
@@ -148,7 +158,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
             x.grad = None
             call(model, x).backward(dy)
 
-        cases = {name: (lambda m=m: step(m)) for name, m in models.items()}
+        cases = {name: (lambda m=m: step(m)) for name, m in models.items() if name in plain}
         records += _measure(cfg, block, cases, device, ws)
         if block == "mla" and cfg["link"]:
             # its own (shorter) sequence: each link step runs the block up to twice as long
@@ -166,61 +176,87 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 call(model, xl).backward(dyl)
 
             link_cases = {name: (lambda m=m: link_step(m)) for name, m in models.items()}
-            records += _measure_link(cfg, block, link_cases, device)
+            groups = {
+                name: mla_head_groups(m, xl).count
+                for name, m in models.items()
+                if name.endswith("_auto")
+            }
+            records += _measure_link(cfg, block, link_cases, device, groups)
     return records
 
 
+def _link_groups(cfg: dict[str, Any], ws: int) -> list[tuple[str, Any]]:
+    """The head-group counts compared under the link: those dividing the heads per rank."""
+    h = cfg["heads"] // ws
+    return [(s, g) for s, g in LINK_GROUPS if g == "auto" or h % int(g) == 0]
+
+
 def _measure_link(
-    cfg: dict[str, Any], block: str, cases: dict[str, Any], device: torch.device
+    cfg: dict[str, Any],
+    block: str,
+    cases: dict[str, Any],
+    device: torch.device,
+    auto_groups: dict[str, int],
 ) -> list[dict[str, Any]]:
-    """Overlapped vs blocking per strategy under a modeled link whose communication per step
-    matches the blocking path's compute (bandwidth = blocking bytes / blocking step time)."""
+    """Overlapped (G = 1, the head-group pipeline with G = 2, 4 and ``"auto"``) vs blocking,
+    per strategy, under a modeled link whose communication per step matches the blocking
+    path's compute (bandwidth = blocking bytes / blocking step time); all five interleaved."""
     records = []
     latency = cfg["link_latency"]
     for strategy in ("expanded", "latent"):
-        ours, base = f"{strategy}_overlap", f"{strategy}_blocking"
-        pair = {ours: cases[ours], base: cases[base]}
+        base = f"{strategy}_blocking"
+        group_of = {f"{strategy}_overlap": 1}
+        for suffix, groups in _link_groups(cfg, dist.get_world_size()):
+            name = f"{strategy}_overlap_{suffix}"
+            group_of[name] = auto_groups.get(name, groups)  # type: ignore[arg-type]
+        pair = {base: cases[base], **{name: cases[name] for name in group_of}}
         reps = cfg["link_repeats"]
         bandwidth, t_plain, t_compute, nbytes = calibrate_link(cases[base], reps)
         with simulated_link(latency, bandwidth):
             times = interleaved_timing(pair, repeats=reps, warmup=1, device=device)
-        t_link = {}
+        t_link, launches = {}, {}
         for name, fn in pair.items():
-            with simulated_link(latency, bandwidth) as stats:
+            with simulated_link(latency, bandwidth) as stats, record_events() as rec:
                 fn()
             t_link[name] = max_over_ranks(stats.modeled_s)
-        hidden = (times[base] - times[ours]) / t_link[base]
+            launches[name] = sum(
+                1 for e in rec.events if e.kind == "launch" and e.phase == "forward"
+            )
         if dist.get_rank() == 0:
             print(
                 f"link {strategy}: blocking step {t_plain * 1e3:.1f} ms without the link, "
                 f"compute {t_compute * 1e3:.1f} ms, {nbytes / 2**20:.2f} MiB/step -> "
                 f"bandwidth {bandwidth / 1e6:.1f} MB/s, latency {latency * 1e6:.0f} us"
             )
-        records.append(
-            bench_record(
-                f"{BLOCKS[block]}/link/{strategy}_overlap_vs_blocking",
-                times[ours],
-                times[base],
-                device=device.type,
-                ours=ours,
-                baseline=base,
-                simulated=True,
-                link_latency_s=latency,
-                link_bytes_per_s=bandwidth,
-                t_link_s=t_link[base],
-                t_link_ours_s=t_link[ours],
-                t_step_blocking_s=t_plain,
-                t_compute_blocking_s=t_compute,
-                link_bytes_per_step=nbytes,
-                hidden_fraction=hidden,
-                repeats=cfg["link_repeats"],
-                tokens=cfg["link_tokens"],
-                hidden=cfg["hidden"],
-                heads=cfg["heads"],
-                kv_lora=cfg["kv_lora"],
-                dtype=cfg["dtype"],
+        for ours, groups in group_of.items():
+            records.append(
+                bench_record(
+                    f"{BLOCKS[block]}/link/{ours}_vs_blocking",
+                    times[ours],
+                    times[base],
+                    device=device.type,
+                    ours=ours,
+                    baseline=base,
+                    simulated=True,
+                    head_groups=groups,
+                    collectives_per_forward=launches[ours],
+                    collectives_per_forward_baseline=launches[base],
+                    link_latency_s=latency,
+                    link_bytes_per_s=bandwidth,
+                    t_link_s=t_link[base],
+                    t_link_ours_s=t_link[ours],
+                    t_step_blocking_s=t_plain,
+                    t_compute_blocking_s=t_compute,
+                    link_bytes_per_step=nbytes,
+                    hidden_fraction=(times[base] - times[ours]) / t_link[base],
+                    repeats=cfg["link_repeats"],
+                    tokens=cfg["link_tokens"],
+                    hidden=cfg["hidden"],
+                    heads=cfg["heads"],
+                    kv_lora=cfg["kv_lora"],
+                    dtype=cfg["dtype"],
+                )
             )
-        )
     return records
 
 

@@ -23,6 +23,7 @@ from hyper_parallel.context_parallel.parallel_mla import (
     STRATEGIES,
     ContextParallelMLA,
     is_context_parallel,
+    mla_head_groups,
     parallelize_mla,
     unparallelize_mla,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "launch_all_gather",
     "launch_head_to_seq",
     "launch_seq_to_head",
+    "mla_head_groups",
     "parallelize_mla",
     "pending_collectives",
     "record_events",

@@ -19,10 +19,11 @@ from torch.autograd import Function
 
 from hyper_parallel.context_parallel import recorder as _rec
 from hyper_parallel.context_parallel.exchange import Exchange
+from hyper_parallel.context_parallel.head_groups import merge_heads
 from hyper_parallel.context_parallel.mla import kv_heads
 from hyper_parallel.dtensor.amp import autocast_off, cast_for_autocast, without_autocast
 
-__all__ = ["WaitExpand", "WaitLinear", "mark", "span"]
+__all__ = ["WaitExpand", "WaitLinear", "WaitLinearGroups", "mark", "span"]
 
 
 # ---- recorder markers (inserted only while recording) -----------------------------------
@@ -150,3 +151,54 @@ class WaitExpand(Function):
                 dw = torch.zeros_like(weight)
                 dw[rows] = d2.flatten(0, 1).t() @ lat.flatten(0, 1)
         return dkv.new_empty(0), dw, None, None, None, None
+
+
+class WaitLinearGroups(Function):
+    """:class:`WaitLinear` over G head groups: wait the G head→seq exchanges of the attention
+    output (``exs[g]`` carries group g, ``[B, S/P, P·hg, dv]``), put the heads back in order
+    (:func:`~hyper_parallel.context_parallel.head_groups.merge_heads`), then ``o_proj``.
+
+    Backward: the input-grad matmul, then the G gradient exchanges started last group first
+    (the order in which autograd's backward of the groups needs them), then the weight-grad
+    matmul while they are in flight.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        weight: Tensor,
+        bias: Tensor | None,
+        exs: tuple[Exchange, ...],
+        cp_size: int,
+        *tokens: Tensor,
+    ) -> Tensor:
+        parts = [ex.finish() for ex in exs]
+        a = merge_heads(parts, cp_size)
+        ctx.a_dtype = a.dtype
+        with span("o_proj", "forward"):
+            a, weight, bias = cast_for_autocast(a.device.type, a.flatten(2), weight, bias)
+            with autocast_off(a.device.type):
+                y = F.linear(a, weight, bias)
+        ctx.exs, ctx.has_bias, ctx.part_shape = exs, bias is not None, parts[0].shape
+        ctx.cp_size = cp_size
+        ctx.save_for_backward(a, weight)
+        return y
+
+    @staticmethod
+    @without_autocast
+    def backward(ctx: Any, dy: Tensor) -> Any:  # type: ignore[override]
+        a, weight = ctx.saved_tensors
+        exs, (b, s, phg, dv), p = ctx.exs, ctx.part_shape, ctx.cp_size
+        groups = len(exs)
+        dy = dy.to(a.dtype)
+        with span("o_proj.input_grad", "backward"):
+            da = (dy @ weight).to(ctx.a_dtype).view(b, s, p, groups, phg // p, dv)
+        for g in reversed(range(groups)):
+            exs[g].start_grad(da[:, :, :, g].reshape(b, s, phg, dv))
+        dw = db = None
+        with span("o_proj.weight_grad", "backward"):
+            if ctx.needs_input_grad[0]:
+                dw = dy.flatten(0, 1).t() @ a.flatten(0, 1)
+            if ctx.has_bias and ctx.needs_input_grad[1]:
+                db = dy.flatten(0, 1).sum(0)
+        return (dw, db, None, None, *(dy.new_empty(0) for _ in exs))

@@ -43,7 +43,12 @@ from hyper_parallel.context_parallel.admission import admit
 from hyper_parallel.context_parallel.attention import attend
 from hyper_parallel.context_parallel.exchange import Exchange, blocking, launch, wait
 from hyper_parallel.context_parallel.families import MLACall, MLAFamily, find_family
-from hyper_parallel.context_parallel.fused import WaitExpand, WaitLinear, mark
+from hyper_parallel.context_parallel.fused import WaitExpand, WaitLinear, WaitLinearGroups, mark
+from hyper_parallel.context_parallel.head_groups import (
+    HeadGroups,
+    choose_head_groups,
+    split_heads,
+)
 from hyper_parallel.context_parallel.mla import (
     MLAConfig,
     Rope,
@@ -60,6 +65,7 @@ __all__ = [
     "STRATEGIES",
     "ContextParallelMLA",
     "is_context_parallel",
+    "mla_head_groups",
     "parallelize_mla",
     "unparallelize_mla",
 ]
@@ -78,6 +84,7 @@ class _CPState:
     original_class: type
     family: MLAFamily
     dims: MLAConfig
+    head_groups: int | str = "auto"
 
     @property
     def size(self) -> int:
@@ -97,7 +104,12 @@ def _run(m: Any, call: MLACall) -> Tensor:
     """The rewritten forward of every family: ``call.hidden_states [B, S/P, D] -> [B, S/P, D]``."""
     st: _CPState = getattr(m, _STATE)
     c, fam = st.dims, st.family
-    options = {"strategy": st.strategy, "overlap": st.overlap, "cp_size": st.size}
+    options = {
+        "strategy": st.strategy,
+        "overlap": st.overlap,
+        "cp_size": st.size,
+        "head_groups": st.head_groups,
+    }
     adm = admit(m, fam, c, call, st.group, options)  # local; agreement in consistency mode
     x: Tensor = call.hidden_states
     rope = fam.rope(m, call, st.rank * adm.s_local, c)
@@ -107,6 +119,10 @@ def _run(m: Any, call: MLACall) -> Tensor:
 
     def a2a(name: str, kind: Any = "s2h") -> Exchange:  # [B, S(/P), H(/P), d]: seq 1, heads 2
         return Exchange(kind, st.group, 1, 2, f"a2a:{name}", BLOCK_OWNER)
+
+    groups = _head_groups(st, x, c).count
+    if groups > 1:
+        return _run_groups(m, st, x, rope, scale, adm, groups)
 
     if st.strategy == "expanded":
         (xk,) = mark("kv_proj", True, x)
@@ -164,6 +180,90 @@ def _run(m: Any, call: MLACall) -> Tensor:
     return y
 
 
+def _head_groups(st: _CPState, x: Tensor, c: MLAConfig) -> HeadGroups:
+    """The head-group count of this forward: the fixed one, or the ``"auto"`` rule's
+    (shapes, CP size and device type only: the same on every rank)."""
+    if st.head_groups != "auto":
+        return HeadGroups(int(st.head_groups), "set by parallelize_mla(head_groups=...)")
+    return choose_head_groups(
+        c.num_heads // st.size,
+        x.shape[1],
+        x.shape[0],
+        c.qk_head_dim,
+        x.element_size(),
+        st.size,
+        x.device.type,
+        st.overlap,
+    )
+
+
+def _run_groups(
+    m: Any, st: _CPState, x: Tensor, rope: Rope | None, scale: float, adm: Any, groups: int
+) -> Tensor:
+    """The head-group pipeline (``overlap=True``, G > 1 groups of ``hg = h/G`` heads).
+
+    Forward: the exchanges of group 0 are launched first, then those of every later group, so
+    that each group's are in flight while the groups before it attend; group g's output
+    exchange is launched right after its attention and is in flight under the attention of
+    group g+1; ``o_proj`` waits them all (:class:`WaitLinearGroups`). Backward (autograd runs
+    the groups last to first): every dO exchange is started at once, last group first, under
+    ``o_proj``'s weight-grad matmul; each group's dQ/dK/dV exchanges start right after its
+    attention backward and are in flight under the attention backward of the groups before it.
+    """
+    c, p = st.dims, st.size
+    h = c.num_heads // p
+    hg = h // groups
+    width = c.qk_nope_head_dim + c.v_head_dim
+
+    def a2a(name: str, g: int, kind: Any = "s2h") -> Exchange:
+        return Exchange(kind, st.group, 1, 2, f"a2a:{name}{g}", BLOCK_OWNER)
+
+    eq = [a2a("q", g) for g in range(groups)]
+    if st.strategy == "expanded":
+        (xk,) = mark("kv_proj", True, x)
+        k, v = expand_kv(c, project_latent(m, c, xk, rope), m.kv_b_proj.weight)
+        k, v = mark("kv_proj", False, k, v)
+        ks, vs = split_heads(k, p, groups), split_heads(v, p, groups)
+        ek, ev = [a2a("k", g) for g in range(groups)], [a2a("v", g) for g in range(groups)]
+        tk, tv = [launch(ks[0], ek[0])], [launch(vs[0], ev[0])]
+        qs = split_heads(_q_branch(m, c, x, rope), p, groups)  # K0, V0 in flight
+        tq = [launch(qs[0], eq[0])]
+        for g in range(1, groups):
+            tk.append(launch(ks[g], ek[g]))
+            tv.append(launch(vs[g], ev[g]))
+            tq.append(launch(qs[g], eq[g]))
+    else:
+        (xk,) = mark("kv_a_proj", True, x)
+        lat = project_latent(m, c, xk, rope)
+        (lat,) = mark("kv_a_proj", False, lat)
+        eg = Exchange("ag", st.group, 1, -1, "all_gather:latent", BLOCK_OWNER)
+        tg = launch(lat, eg)
+        qs = split_heads(_q_branch(m, c, x, rope), p, groups)  # the gather in flight
+        tq = [launch(qs[g], eq[g]) for g in range(groups)]
+        full = wait(tg, eg)
+        lat_full, k_rope = full.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        rows = m.kv_b_proj.weight[st.rank * h * width : (st.rank + 1) * h * width]
+        w_groups = rows.view(groups, hg * width, c.kv_lora_rank).unbind(0)
+
+    eo = [a2a("o", g, "h2s") for g in range(groups)]
+    to = []
+    for g in range(groups):
+        if st.strategy == "expanded":
+            k_h, v_h = wait(tk[g], ek[g]), wait(tv[g], ev[g])
+        else:
+            # expand group g's heads before waiting its Q, so the expansion runs under it and,
+            # in backward, the dQ exchange starts before the expansion's backward
+            (lat_g,) = mark(f"kv_b_proj.g{g}", True, lat_full)
+            k_h, v_h = split_kv(c, kv_heads(lat_g, w_groups[g], width), k_rope)
+            k_h, v_h = mark(f"kv_b_proj.g{g}", False, k_h, v_h)
+        q_h = wait(tq[g], eq[g])
+        q_h, k_h, v_h = mark(f"attention.g{g}", True, q_h, k_h, v_h)
+        o_h = attend(q_h, k_h, v_h, scale, adm.documents, offsets=adm.offsets)
+        (o_h,) = mark(f"attention.g{g}", False, o_h)
+        to.append(launch(o_h, eo[g]))
+    return WaitLinearGroups.apply(m.o_proj.weight, m.o_proj.bias, tuple(eo), p, *to)
+
+
 def _q_branch(m: Any, c: MLAConfig, x: Tensor, rope: Rope | None) -> Tensor:
     (xq,) = mark("q_proj", True, x)
     q = project_q(m, c, xq, rope)
@@ -208,7 +308,7 @@ def _check_weights(module: Any, c: MLAConfig) -> None:
         raise ValueError("kv_b_proj must have no bias (the latent strategy slices its rows)")
 
 
-def _validate(module: Any, cp_mesh: Any, strategy: Any, overlap: Any) -> _CPState:
+def _validate(module: Any, cp_mesh: Any, strategy: Any, overlap: Any, head_groups: Any) -> _CPState:
     if hasattr(module, _STATE):
         raise RuntimeError(
             "parallelize_mla was already applied to this module; call unparallelize_mla first"
@@ -227,7 +327,24 @@ def _validate(module: Any, cp_mesh: Any, strategy: Any, overlap: Any) -> _CPStat
     _check_weights(module, dims)
     if dims.num_heads % g.size:
         raise ValueError(f"num_heads ({dims.num_heads}) is not divisible by the CP size {g.size}")
-    return _CPState(cp_mesh, g, strategy, overlap, type(module), family, dims)
+    _check_head_groups(head_groups, dims.num_heads // g.size, overlap)
+    return _CPState(cp_mesh, g, strategy, overlap, type(module), family, dims, head_groups)
+
+
+def _check_head_groups(head_groups: Any, heads_per_rank: int, overlap: bool) -> None:
+    if head_groups == "auto" and isinstance(head_groups, str):
+        return
+    if not isinstance(head_groups, int) or isinstance(head_groups, bool) or head_groups < 1:
+        raise ValueError(f"head_groups must be 'auto' or a positive int, got {head_groups!r}")
+    if heads_per_rank % head_groups:
+        raise ValueError(
+            f"head_groups={head_groups} does not divide the {heads_per_rank} heads per rank "
+            "(num_heads / CP size)"
+        )
+    if head_groups > 1 and not overlap:
+        raise ValueError(
+            f"head_groups={head_groups} pipelines overlapped exchanges; it needs overlap=True"
+        )
 
 
 def _install(module: nn.Module, state: _CPState) -> list[Any]:
@@ -255,6 +372,7 @@ def parallelize_mla(
     *,
     strategy: str = "expanded",
     overlap: bool = True,
+    head_groups: int | str = "auto",
 ) -> _M:
     """Rewrite ``module`` in place for Ulysses context parallelism over the 1-D ``cp_mesh``.
 
@@ -290,6 +408,13 @@ def parallelize_mla(
     ``strategy``: ``"expanded"`` (a2a of Q, K and V) or ``"latent"`` (a2a of Q, all-gather of
     the ``kv_lora_rank + qk_rope_head_dim`` latent). ``overlap``: overlap collectives with
     projection compute (see the module docstring) or run them blocking.
+    ``head_groups``: ``"auto"`` (the default), ``1`` (one exchange per tensor), an int ``G``
+    dividing ``num_heads / P``
+    (the head-group pipeline, ``overlap=True`` only: the exchanges of each group of heads are
+    in flight under the attention of the others, forward and backward; the same outputs and
+    gradients as ``G = 1``, to rounding); ``"auto"`` decides per forward from shapes, the CP
+    size and the device type only (``head_groups.choose_head_groups``; 1 with
+    ``overlap=False``): :func:`mla_head_groups` tells which count a call gets, and why.
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): each forward
     first compares, over the CP group, ``strategy``, ``overlap``, the CP size and what the
@@ -304,9 +429,10 @@ def parallelize_mla(
     ``overlap`` not a bool, ``cp_mesh`` not a DeviceMesh), ``RuntimeError`` (already
     parallelized), ``ValueError`` (unknown strategy, mesh not 1-D or with a rank order
     differing from its group's, heads not divisible by the CP size, projection shapes that
-    do not match the module's sizes).
+    do not match the module's sizes, ``head_groups`` not ``"auto"`` nor a positive int
+    dividing ``num_heads / P``, or above 1 with ``overlap=False``).
     """
-    state = _validate(module, cp_mesh, strategy, overlap)
+    state = _validate(module, cp_mesh, strategy, overlap, head_groups)
     _install(module, state)
     return module
 
@@ -326,15 +452,27 @@ def is_context_parallel(module: nn.Module) -> bool:
     return hasattr(module, _STATE)
 
 
+def mla_head_groups(module: nn.Module, hidden_states: Tensor) -> HeadGroups:
+    """The head-group count a forward of the rewritten ``module`` on this rank's
+    ``hidden_states [B, S/P, D]`` uses, with the reason (``RuntimeError`` if ``module`` is
+    not context-parallel). Computes nothing and communicates nothing."""
+    state = getattr(module, _STATE, None)
+    if state is None:
+        raise RuntimeError("module is not context-parallel")
+    return _head_groups(state, hidden_states, state.dims)
+
+
 class ContextParallelMLA(ParallelStyle):
     """torch ``ParallelStyle`` form of :func:`parallelize_mla`, for ``parallelize_module``::
 
     parallelize_module(model, cp_mesh, {"layers.0.attn": ContextParallelMLA("latent")})
     """
 
-    def __init__(self, strategy: str = "expanded", *, overlap: bool = True) -> None:
+    def __init__(
+        self, strategy: str = "expanded", *, overlap: bool = True, head_groups: int | str = "auto"
+    ) -> None:
         super().__init__()
-        self.strategy, self.overlap = strategy, overlap
+        self.strategy, self.overlap, self.head_groups = strategy, overlap, head_groups
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return parallelize_mla(
@@ -342,4 +480,5 @@ class ContextParallelMLA(ParallelStyle):
             device_mesh,
             strategy=self.strategy,
             overlap=self.overlap,
+            head_groups=self.head_groups,
         )
