@@ -16,7 +16,7 @@ from _mc2_testutil import rank_and_size, seeded
 import hyper_parallel.mc2._chunked as chunked_mod
 import hyper_parallel.mc2.gated as gated_mod
 from hyper_parallel.dtensor.testing import run_distributed
-from hyper_parallel.mc2 import gated_mlp, gated_mlp_reference
+from hyper_parallel.mc2 import default_chunks, gated_mlp, gated_mlp_reference
 
 M, D, F = 5, 8, 3  # rows per rank, hidden, ffn features per rank
 SHAPES = [(M, D), (F, D), (F, D), (D, F), (F,), (F,), (D,)]
@@ -98,3 +98,14 @@ def test_pipelined_gated_schedule_equals_reference_and_interleaves():
         fwd, bwd = order[:6], order[6:]
         assert fwd.index("rs") < max(i for i, o in enumerate(fwd) if o == "ag"), fwd
         assert bwd.index("rs") < max(i for i, o in enumerate(bwd) if o == "ag"), bwd
+
+
+def test_default_chunks_rule_at_the_benchmark_shapes():
+    # the benchmark's blocks, 2 ranks, 2048 local rows: gated (gate+up n = 2·1408), MLP up, down
+    for k, n in ((1024, 2816), (1024, 2048), (2048, 1024)):
+        assert default_chunks(2048, k, n, 2, "cpu") == 8
+        assert default_chunks(2048, k, n, 2, "cuda") == default_chunks(2048, k, n, 2, "npu") == 4
+    # each chunk keeps >= 64 rows and >= 2**27 flops; tiny shapes run unchunked
+    assert default_chunks(256, 1024, 2816, 2, "cpu") == 4
+    assert default_chunks(2048, 128, 256, 2, "cpu") == 2  # 2·2048·2·128·256 = 2·2**27 flops
+    assert default_chunks(5, 8, 6, 2, "cpu") == 1

@@ -166,13 +166,13 @@ def default_chunks(rows: int, k: int, n: int, world_size: int, device_type: str 
 
     A pure function of the shapes, the group size and the device type, so every rank of a
     group computes the same count and runs the same sequence of collectives (a count read
-    from a rank's own CPU affinity or thread count could differ between ranks). On CPU the
-    collective runs on CPU threads (gloo) that compete with the matmuls for the same cores,
-    and forced overlap measured no gain there: 1. On an accelerator each chunk should still
-    be a matmul worth overlapping (>= 64 rows, >= ~134 MFLOP over all ranks' rows), and more
-    than four chunks buy little overlap for the per-collective latency they add.
+    from a rank's own CPU affinity or thread count could differ between ranks). Each chunk
+    should still be a matmul worth overlapping: >= 64 rows and >= ~134 MFLOP over all ranks'
+    rows (``2·rows·ws·k·n / chunks >= 2**27``). Within that, at most 8 chunks on CPU (gloo)
+    and 4 on an accelerator. On CPU the cap is what the benchmark's modeled link measured
+    (README, "Chunk count"): 8 chunks hide the most of the link at its shapes (4 and 16
+    within a few percent, 1 and 2 far behind). The accelerators' 4 is not measured here.
     """
-    if device_type == "cpu":
-        return 1
     flops = 2 * rows * world_size * k * n
-    return max(1, min(4, rows // 64, flops // (1 << 27)))
+    cap = 8 if device_type == "cpu" else 4
+    return max(1, min(cap, rows // 64, flops // (1 << 27)))
