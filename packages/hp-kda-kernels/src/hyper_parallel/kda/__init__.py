@@ -9,7 +9,7 @@ via ``causal_conv_halo``, gates and norms local, the recurrence through the stat
 from ._version import __version__
 from .chunk import chunk_kda, state_summary
 from .cost import DEFAULT_COST_PARAMS, CostParams, ProtocolChoice, choose_protocol
-from .exchange import PROTOCOLS, StateExchange, build_state_exchange
+from .exchange import PROTOCOLS, PendingExchange, StateExchange, build_state_exchange
 from .halo import PendingHalo, causal_conv_halo, start_causal_conv_halo
 from .layer import kda_context_parallel
 from .merge import affine_merge, affine_scan, choose_backend
@@ -28,6 +28,7 @@ __all__ = [
     "SUPPORTED_KDA_CLASSES",
     "ContextParallelKDA",
     "PackedBlock",
+    "PendingExchange",
     "PendingHalo",
     "CostParams",
     "ProtocolChoice",

@@ -26,6 +26,9 @@ The gate factors are the same products as without resets, multiplied by 0/1 mask
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from ._checks import check_chunk_size, check_cu_seqlens, check_qkv, document_resets, state_dtype
@@ -66,45 +69,76 @@ def _masked_exp(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 _FACTOR_SPAN = 60.0  # largest in-chunk gate range |Γ_t − Γ_s| the one-reference form allows
 
 
+def _wide(G: torch.Tensor) -> bool:
+    """Whether some chunk's gate range exceeds ``_FACTOR_SPAN`` (then sub-chunked factors)."""
+    span = float((G.amax(-2) - G.amin(-2)).max().detach()) if G.numel() else 0.0
+    return span > _FACTOR_SPAN
+
+
+_Factors = tuple[torch.Tensor | None, ...]
+
+
+def _decay_factors(G: torch.Tensor, k: torch.Tensor, wide: bool) -> _Factors:
+    """The gate factors :func:`_decay_products` builds ``A`` and ``P`` from (shared by both)."""
+    if not wide:
+        G_ref = G[..., :1, :]
+        right = (k * (G_ref - G).exp()).transpose(-1, -2)
+        left = (G - G_ref).exp()
+        return left, right
+    C = G.shape[-2]
+    c = _SUB if C % _SUB == 0 else C
+    ns = C // c
+    Gb, kb = G.unflatten(-2, (ns, c)), k.unflatten(-2, (ns, c))
+    causal = torch.ones(c, c, dtype=torch.bool, device=G.device).tril()
+    decay = _masked_exp(Gb.unsqueeze(-2) - Gb.unsqueeze(-3), causal[..., None])  # [.., ns, t, s, K]
+    decayed_k = decay * kb.unsqueeze(-3)  # [.., ns, t, s, K]: e^{Γ_t − Γ_s} ⊙ k_s
+    if ns == 1:
+        return decayed_k, kb, None, None
+    G_end = Gb[..., -1, :]  # [.., ns, K]
+    right = (kb * _exp(G_end.unsqueeze(-2) - Gb)).transpose(-1, -2)  # [.., ns, K, c]
+    later = torch.arange(C, device=G.device)[:, None] // c > torch.arange(ns, device=G.device)
+    left = _masked_exp(G.unsqueeze(-2) - G_end.unsqueeze(-3), later[..., None])  # [.., t, j, K]
+    return decayed_k, kb, left, right
+
+
 def _decay_products(
-    G: torch.Tensor, k: torch.Tensor, q: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    G: torch.Tensor,
+    k: torch.Tensor,
+    q: torch.Tensor | None,
+    wide: bool | None = None,
+    want_a: bool = True,
+    factors: _Factors | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``A_ts = k_tᵀ diag(e^{Γ_t − Γ_s}) k_s`` (s < t) and ``P_ts = q_tᵀ diag(e^{Γ_t − Γ_s}) k_s``
-    (s ≤ t) for chunked ``[.., C, K]`` inputs.
+    (s ≤ t) for chunked ``[.., C, K]`` inputs (``A`` None unless ``want_a``, ``P`` None
+    without ``q``; ``wide``: :func:`_wide` of ``G``, ``factors``: :func:`_decay_factors`, when
+    the caller has them: ``A`` and ``P`` from separate calls are then exactly one call's).
 
     When every chunk's gate range is at most ``_FACTOR_SPAN`` (typical KDA gates), both are
     plain matmuls through the chunk's first token: ``e^{Γ_t − Γ_s} = e^{Γ_t − Γ_1} · e^{Γ_1 − Γ_s}``
-    with both factors within ``e^{±60}``. Otherwise :func:`_decay_products_subchunked` keeps
-    every factor ≤ 1.
+    with both factors within ``e^{±60}``. Otherwise (``wide``) the sub-chunked form keeps
+    every factor ≤ 1: inside a 16-token sub-chunk the gate differences are exponentiated
+    pairwise; across sub-chunks (``s`` in sub-chunk ``j``, ``t`` later)
+    ``e^{Γ_t − Γ_s} = e^{Γ_t − Γ_e} · e^{Γ_e − Γ_s}`` with ``e`` the last token of sub-chunk
+    ``j``; both exponents are ≤ 0 for decaying gates, so the product is a matmul that can only
+    underflow where the true value does.
     """
-    span = float((G.amax(-2) - G.amin(-2)).max().detach()) if G.numel() else 0.0
-    if span > _FACTOR_SPAN:
-        return _decay_products_subchunked(G, k, q)
-    G_ref = G[..., :1, :]
-    right = (k * (G_ref - G).exp()).transpose(-1, -2)
-    left = (G - G_ref).exp()
-    A = ((k * left) @ right).tril(-1)
-    P = ((q * left) @ right).tril() if q is not None else None
-    return A, P
-
-
-def _decay_products_subchunked(
-    G: torch.Tensor, k: torch.Tensor, q: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`_decay_products` for any gate range.
-
-    Inside a sub-chunk the gate differences are exponentiated pairwise. Across sub-chunks
-    (``s`` in sub-chunk ``j``, ``t`` later) ``e^{Γ_t − Γ_s} = e^{Γ_t − Γ_e} · e^{Γ_e − Γ_s}`` with
-    ``e`` the last token of sub-chunk ``j``; both exponents are ≤ 0 for decaying gates, so the
-    product is a matmul that can only underflow where the true value does.
-    """
+    if wide is None:
+        wide = _wide(G)
+    if factors is None:
+        factors = _decay_factors(G, k, wide)
+    if not wide:
+        left, right = factors
+        assert left is not None and right is not None
+        A = ((k * left) @ right).tril(-1) if want_a else None
+        P = ((q * left) @ right).tril() if q is not None else None
+        return A, P
+    decayed_k, kb, left, right = factors
+    assert decayed_k is not None and kb is not None
     C = G.shape[-2]
     c = _SUB if C % _SUB == 0 else C
     ns = C // c
     lead = G.shape[:-2]
-    Gb, kb = G.unflatten(-2, (ns, c)), k.unflatten(-2, (ns, c))
-    causal = torch.ones(c, c, dtype=torch.bool, device=G.device).tril()
-    decay = _masked_exp(Gb.unsqueeze(-2) - Gb.unsqueeze(-3), causal[..., None])  # [.., ns, t, s, K]
     eye = torch.eye(ns, dtype=G.dtype, device=G.device)[:, None, :, None]
 
     def assemble(diag: torch.Tensor, off: torch.Tensor | None) -> torch.Tensor:
@@ -113,59 +147,66 @@ def _decay_products_subchunked(
             full = full + off.movedim(-3, -2).reshape(*lead, C, C)
         return full
 
-    decayed_k = decay * kb.unsqueeze(-3)  # [.., ns, t, s, K]: e^{Γ_t − Γ_s} ⊙ k_s
-    A_diag = (decayed_k @ kb.unsqueeze(-1)).squeeze(-1).tril(-1)
-    P_diag = None
+    A = P = None
+    if want_a:
+        A_diag = (decayed_k @ kb.unsqueeze(-1)).squeeze(-1).tril(-1)
+        A_off = None
+        if left is not None and right is not None:
+            A_off = (left * k.unsqueeze(-2)).movedim(-2, -3) @ right
+        A = assemble(A_diag, A_off)
     if q is not None:
         P_diag = (decayed_k @ q.unflatten(-2, (ns, c)).unsqueeze(-1)).squeeze(-1)
-    A_off = P_off = None
-    if ns > 1:
-        G_end = Gb[..., -1, :]  # [.., ns, K]
-        right = (kb * _exp(G_end.unsqueeze(-2) - Gb)).transpose(-1, -2)  # [.., ns, K, c]
-        later = torch.arange(C, device=G.device)[:, None] // c > torch.arange(ns, device=G.device)
-        left = _masked_exp(G.unsqueeze(-2) - G_end.unsqueeze(-3), later[..., None])  # [.., t, j, K]
-        A_off = (left * k.unsqueeze(-2)).movedim(-2, -3) @ right
-        if q is not None:
+        P_off = None
+        if left is not None and right is not None:
             P_off = (left * q.unsqueeze(-2)).movedim(-2, -3) @ right
-    A = assemble(A_diag, A_off)
-    P = assemble(P_diag, P_off) if P_diag is not None else None
+        P = assemble(P_diag, P_off)
     return A, P
 
 
-def _chunk_terms(
+@dataclass
+class _ChunkContext:
+    """What the output terms of a batch of chunks need from its summary terms."""
+
+    G: torch.Tensor  # in-chunk gate prefix sums Γ, [.., n, C, K]
+    G_exp: torch.Tensor
+    k: torch.Tensor
+    U: torch.Tensor
+    W: torch.Tensor
+    same: torch.Tensor | None  # same-segment pairs [.., n, C, C] (packed documents)
+    first: torch.Tensor | None  # first-segment tokens [.., n, C, 1]
+    wide: bool
+    factors: _Factors | None  # the gate factors A was built from, shared with P
+
+
+def _summary_chunk_terms(
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    q: torch.Tensor | None,
-    scale: float,
     resets: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """Per-chunk terms for chunked inputs ``[B, H, n, C, ...]`` (``resets [B, H, n, C]``: 1
-    where a document starts, or None).
-
-    Returns ``(S_c [.., n, K, V], M_c [.., n, K, K])`` and, when ``q`` is given, also
-    ``(Q_eff [.., n, C, K], O_c [.., n, C, V])`` with ``o = Q_eff h_0 + O_c`` per chunk.
-    """
+) -> tuple[torch.Tensor, torch.Tensor, _ChunkContext]:
+    """Per-chunk maps for chunked inputs ``[B, H, n, C, ...]`` (``resets [B, H, n, C]``: 1
+    where a document starts, or None): ``(S_c [.., n, K, V], M_c [.., n, K, K], context)``;
+    the context gives :func:`_output_chunk_terms` the rest without recomputing it."""
     C, V = k.shape[-2], v.shape[-1]
     # The in-chunk prefix sum as a matmul: CPU cumsum along a middle dim is a slow serial loop.
     G = torch.ones(C, C, dtype=g.dtype, device=g.device).tril() @ g
-    A, P = _decay_products(G, k, None if q is None else q * scale)
+    wide = _wide(G)
+    factors = _decay_factors(G, k, wide)
+    A, _ = _decay_products(G, k, None, wide, factors=factors)
+    assert A is not None
     G_exp = _exp(G)
     G_last = G[..., -1:, :]
     k_tail = _exp(G_last - G) * k
     decay_last = torch.diag_embed(_exp(G_last.squeeze(-2)))
     k_start = G_exp * k  # the h_0 terms
-    q_start = None if q is None else (G_exp * q) * scale
+    same = first = None
     if resets is not None:
         seg = resets.cumsum(-1)  # segment id of each token inside its chunk
-        A = A * (seg.unsqueeze(-1) == seg.unsqueeze(-2))
-        if P is not None:
-            P = P * (seg.unsqueeze(-1) == seg.unsqueeze(-2))
+        same = seg.unsqueeze(-1) == seg.unsqueeze(-2)
+        A = A * same
         first = (seg == 0).unsqueeze(-1)
         k_start = k_start * first
-        if q_start is not None:
-            q_start = q_start * first
         k_tail = k_tail * (seg == seg[..., -1:]).unsqueeze(-1)
         decay_last = decay_last * (seg[..., -1:] == 0).unsqueeze(-1)
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
@@ -176,40 +217,59 @@ def _chunk_terms(
     k_tail_t = k_tail.transpose(-1, -2)
     M_c = decay_last - k_tail_t @ W
     S_c = k_tail_t @ U
-    if q_start is None or P is None:
-        return S_c, M_c
-    Q_eff = q_start - P @ W
-    return S_c, M_c, Q_eff, P @ U
+    # Kept for P (the same factors, so the gradients accumulate as in one pass), except the
+    # sub-chunked ones when no graph keeps them anyway: they are 16x the keys, recomputed.
+    keep = not wide or torch.is_grad_enabled()
+    return S_c, M_c, _ChunkContext(G, G_exp, k, U, W, same, first, wide, factors if keep else None)
 
 
-def _all_chunk_terms(
+def _output_chunk_terms(
+    ctx: _ChunkContext, q: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q_eff [.., n, C, K], O_c [.., n, C, V])`` with ``o = Q_eff h_0 + O_c`` per chunk, for
+    chunked ``q`` and the context of :func:`_summary_chunk_terms`: the chunks' own attention
+    (``O_c = P U``), which does not depend on the incoming state."""
+    _, P = _decay_products(ctx.G, ctx.k, q * scale, ctx.wide, want_a=False, factors=ctx.factors)
+    assert P is not None
+    q_start = (ctx.G_exp * q) * scale
+    if ctx.same is not None and ctx.first is not None:
+        P = P * ctx.same
+        q_start = q_start * ctx.first
+    Q_eff = q_start - P @ ctx.W
+    return Q_eff, P @ ctx.U
+
+
+def _chunk_steps(k: torch.Tensor) -> list[slice]:
+    """Batches of chunks of ``[B, H, n, C, K]`` inputs small enough for the pairwise gates."""
+    B, H, n, C, K = k.shape
+    per_chunk = B * H * C * min(C, 2 * _SUB) * K
+    step = max(1, _PAIRWISE_BUDGET // max(per_chunk, 1))
+    return [slice(lo, lo + step) for lo in range(0, n, step)]
+
+
+def _cat(items: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(items, dim=2) if len(items) > 1 else items[0]
+
+
+def _all_summary_terms(
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    q: torch.Tensor | None,
-    scale: float,
     resets: torch.Tensor | None = None,
-) -> list[torch.Tensor]:
-    """:func:`_chunk_terms` over all chunks, a bounded number of chunks at a time."""
-    B, H, n, C, K = k.shape
-    per_chunk = B * H * C * min(C, 2 * _SUB) * K
-    step = max(1, _PAIRWISE_BUDGET // max(per_chunk, 1))
-    parts: list[tuple[torch.Tensor, ...]] = []
-    for lo in range(0, n, step):
-        sl = slice(lo, lo + step)
-        parts.append(
-            _chunk_terms(
-                k[:, :, sl],
-                v[:, :, sl],
-                g[:, :, sl],
-                beta[:, :, sl],
-                None if q is None else q[:, :, sl],
-                scale,
-                None if resets is None else resets[:, :, sl],
-            )
-        )
-    return [torch.cat(items, dim=2) if len(parts) > 1 else items[0] for items in zip(*parts)]
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[slice, _ChunkContext]]]:
+    """:func:`_summary_chunk_terms` over all chunks, a bounded number of chunks at a time:
+    ``(S_c, M_c, [(chunk slice, context)])``."""
+    S_parts, M_parts, steps = [], [], []
+    for sl in _chunk_steps(k):
+        S_c, M_c, ctx = _summary_chunk_terms(
+            k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl],
+            None if resets is None else resets[:, :, sl],
+        )  # fmt: skip
+        S_parts.append(S_c)
+        M_parts.append(M_c)
+        steps.append((sl, ctx))
+    return _cat(S_parts), _cat(M_parts), steps
 
 
 def _compose_all(S_c: torch.Tensor, M_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,27 +287,10 @@ def _compose_all(S_c: torch.Tensor, M_c: torch.Tensor) -> tuple[torch.Tensor, to
     return S_c[..., 0, :, :], M_c[..., 0, :, :]
 
 
-def _prepare(
-    q: torch.Tensor | None,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    chunk_size: int,
-    dt: torch.dtype,
-    resets: torch.Tensor | None = None,
-) -> tuple[int, list[torch.Tensor | None]]:
-    T = k.shape[1]
-    n = max(1, -(-T // chunk_size))
+def _layout(T: int, chunk_size: int) -> tuple[int, int]:
+    """``(n, C)``: the number of chunks and their length for ``T`` tokens."""
     C = chunk_size if T >= chunk_size else max(T, 1)
-    n = max(1, -(-T // C))
-    out: list[torch.Tensor | None] = []
-    for x in (q, k, v, g, beta):
-        out.append(None if x is None else _chunked(x.to(dt), n, C))
-    if resets is not None:  # [B, T] -> [B, H, n, C]
-        r = resets.to(dt).unsqueeze(-1).expand(*k.shape[:3])
-        out.append(_chunked(r, n, C))
-    return n, out
+    return max(1, -(-T // C)), C
 
 
 def state_summary(
@@ -266,10 +309,60 @@ def state_summary(
     if T == 0:
         eye = torch.eye(K, dtype=dt, device=k.device).expand(B, H, K, K).clone()
         return k.new_zeros(B, H, K, V, dtype=dt), eye
-    _, (_, kc, vc, gc, bc) = _prepare(None, k, v, g, beta, chunk_size, dt)
-    assert kc is not None and vc is not None and gc is not None and bc is not None
-    S_c, M_c = _all_chunk_terms(kc, vc, gc, bc, None, 1.0)
-    return _compose_all(S_c, M_c)
+    terms = summary_terms(k, v, g, beta, chunk_size)
+    return _compose_all(terms.S_c, terms.M_c)
+
+
+@dataclass
+class SummaryTerms:
+    """The state-independent per-chunk maps of a block (:func:`summary_terms`) and what its
+    outputs need later (:func:`output_terms`): ``S_c [B, H, n, K, V]``, ``M_c [B, H, n, K,
+    K]``."""
+
+    S_c: torch.Tensor
+    M_c: torch.Tensor
+    steps: list[tuple[slice, _ChunkContext]]
+    n: int
+    C: int
+    dtype: torch.dtype
+
+
+def summary_terms(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int,
+    resets: torch.Tensor | None = None,
+) -> SummaryTerms:
+    """The per-chunk maps ``(S_c, M_c)`` of validated, non-empty inputs in the state dtype
+    (everything :func:`compose_chunks` needs for the block's summary), keeping what
+    :func:`output_terms` needs. ``resets [B, T]`` (0/1): the tokens where a document starts
+    (the state is zeroed before their update), or None."""
+    T = k.shape[1]
+    n, C = _layout(T, chunk_size)
+    dt = state_dtype(v)
+    kc, vc, gc, bc = (_chunked(x.to(dt), n, C) for x in (k, v, g, beta))
+    rc = None
+    if resets is not None:  # [B, T] -> [B, H, n, C]
+        rc = _chunked(resets.to(dt).unsqueeze(-1).expand(*k.shape[:3]), n, C)
+    S_c, M_c, steps = _all_summary_terms(kc, vc, gc, bc, rc)
+    return SummaryTerms(S_c, M_c, steps, n, C, dt)
+
+
+def output_terms(
+    terms: SummaryTerms, q: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q_eff [B, H, n, C, K], O_c [B, H, n, C, V])`` for the queries ``q [B, T, H, K]`` of
+    the block of ``terms``: each chunk's outputs are ``o = Q_eff h_0 + O_c`` from the state
+    ``h_0`` entering it. Independent of any state: computable while the state is in flight."""
+    qc = _chunked(q.to(terms.dtype), terms.n, terms.C)
+    Q_parts, O_parts = [], []
+    for sl, ctx in terms.steps:
+        Q_eff, O_c = _output_chunk_terms(ctx, qc[:, :, sl], scale)
+        Q_parts.append(Q_eff)
+        O_parts.append(O_c)
+    return _cat(Q_parts), _cat(O_parts)
 
 
 def chunk_terms(
@@ -283,26 +376,24 @@ def chunk_terms(
     resets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """State-independent per-chunk terms ``(S_c, M_c, Q_eff, O_c)`` of validated, non-empty
-    inputs, in the state dtype; see :func:`run_chunks` and :func:`compose_chunks`.
-    ``resets [B, T]`` (0/1): the tokens where a document starts (the state is zeroed before
-    their update), or None."""
-    _, parts = _prepare(q, k, v, g, beta, chunk_size, state_dtype(v), resets)
-    qc, kc, vc, gc, bc = parts[:5]
-    rc = parts[5] if resets is not None else None
-    assert qc is not None and kc is not None and vc is not None and gc is not None
-    assert bc is not None
-    return tuple(_all_chunk_terms(kc, vc, gc, bc, qc, scale, rc))
+    inputs, in the state dtype: :func:`summary_terms` then :func:`output_terms`; see
+    :func:`run_chunks` and :func:`compose_chunks`."""
+    terms = summary_terms(k, v, g, beta, chunk_size, resets)
+    return (terms.S_c, terms.M_c, *output_terms(terms, q, scale))
 
 
-def compose_chunks(terms: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole sequence's ``(S, M)`` from :func:`chunk_terms`."""
+def compose_chunks(terms: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole sequence's ``(S, M)`` from :func:`chunk_terms` or :func:`summary_terms`."""
+    if isinstance(terms, SummaryTerms):
+        return _compose_all(terms.S_c, terms.M_c)
     return _compose_all(terms[0], terms[1])
 
 
 def run_chunks(
     terms: tuple[torch.Tensor, ...], h: torch.Tensor, T: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs ``[B, T, H, V]`` (state dtype) and the final state, starting from ``h``."""
+    """Outputs ``[B, T, H, V]`` (state dtype) and the final state, starting from ``h``;
+    ``terms``: ``(S_c, M_c, Q_eff, O_c)``."""
     S_c, M_c, Q_eff, O_c = terms
     outs = []
     for i in range(S_c.shape[2]):

@@ -6,10 +6,21 @@ Rank ``r`` of a 1-D mesh holds chunk ``r`` of the sequence and its summary ``(S_
 ``r``'s outgoing state (the transposed suffix fold). Executors keep no tensors between calls, so
 any number of exchanges may be in flight and their backwards may run in any order, as long as
 every rank issues them in the same order.
+
+``start_forward`` / ``start_backward`` launch an exchange and return a :class:`PendingExchange`
+whose ``wait()`` gives the result, so a caller can compute between the two. What can be in
+flight depends on the protocol: an all-gather is launched asynchronously and folded at
+``wait()``; the p2p chain's first rank sends and its last rank posts its receive at the start
+and waits at ``wait()``, while a middle rank must receive before it can send, so it receives,
+folds and launches its send at the start and only completes the send at ``wait()`` (the chain
+is never delayed by a rank's own compute); ``grouped`` launches its in-group all-gather and the
+in-group broadcast at the start, and a group's last rank runs its link of the chain of group
+leaders (gather, receive, scan, send) at the start too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +33,7 @@ from ._checks import check_summary_pair
 from .cost import CostParams, ProtocolChoice, choose_protocol, grouped_widths
 from .merge import affine_merge, affine_scan, choose_backend
 
-__all__ = ["PROTOCOLS", "StateExchange", "build_state_exchange"]
+__all__ = ["PROTOCOLS", "PendingExchange", "StateExchange", "build_state_exchange"]
 
 PROTOCOLS = ("p2p", "allgather", "grouped", "auto")
 
@@ -34,6 +45,33 @@ def _validate(S: torch.Tensor, M: torch.Tensor, device_type: str, backend: str, 
     if S.device.type != device_type:
         raise ValueError(f"{what}: tensors on {S.device} but the mesh is a {device_type!r} mesh")
     choose_backend(S.device, K, V, backend)
+
+
+class PendingExchange:
+    """One exchange in flight (from :meth:`StateExchange.start_forward` or
+    :meth:`~StateExchange.start_backward`); :meth:`wait` completes it and returns the result."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
+        self._finish: Callable[[], torch.Tensor] | None = finish
+
+    def wait(self) -> torch.Tensor:
+        """Complete the exchange: the state ``[B, H, K, V]`` (call once)."""
+        if self._finish is None:
+            raise RuntimeError("PendingExchange.wait() was already called")
+        finish, self._finish = self._finish, None
+        with torch.no_grad():
+            return finish()
+
+
+def _waiting(works: list[Any], result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A finisher: wait for ``works`` (in order), then ``result()``."""
+
+    def finish() -> torch.Tensor:
+        for work in works:
+            work.wait()
+        return result()
+
+    return finish
 
 
 class StateExchange:
@@ -68,15 +106,25 @@ class StateExchange:
 
     def exchange_forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` without the consistency check (the caller made it)."""
-        _validate(S, M, self._device_type(), self.backend, f"{self.protocol} forward")
-        with torch.no_grad():
-            return self._forward(S.detach(), M.detach())
+        return self.start_forward(S, M).wait()
 
     def exchange_backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """:meth:`backward` without the consistency check (the caller made it)."""
+        return self.start_backward(G, M).wait()
+
+    def start_forward(self, S: torch.Tensor, M: torch.Tensor) -> PendingExchange:
+        """Launch :meth:`exchange_forward`; ``wait()`` on the result gives ``h_in(r)``. Compute
+        placed between the two overlaps the transfers in flight (see the module docstring)."""
+        _validate(S, M, self._device_type(), self.backend, f"{self.protocol} forward")
+        with torch.no_grad():
+            return PendingExchange(self._start_forward(S.detach(), M.detach()))
+
+    def start_backward(self, G: torch.Tensor, M: torch.Tensor) -> PendingExchange:
+        """Launch :meth:`exchange_backward`; ``wait()`` gives the gradient at this rank's
+        outgoing state."""
         _validate(G, M, self._device_type(), self.backend, f"{self.protocol} backward")
         with torch.no_grad():
-            return self._backward(G.detach(), M.detach())
+            return PendingExchange(self._start_backward(G.detach(), M.detach()))
 
     def _check_consistent(self, direction: str, S: torch.Tensor, M: torch.Tensor) -> None:
         if consistency_enabled():
@@ -89,10 +137,11 @@ class StateExchange:
     def _device_type(self) -> str:
         return str(getattr(self.mesh, "device_type", "cpu"))
 
-    def _forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    def _start_forward(self, S: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Launch the forward exchange; returns its finisher (completes it, returns h_in)."""
         raise NotImplementedError
 
-    def _backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    def _start_backward(self, G: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -116,56 +165,71 @@ def _step(
 class _P2P(StateExchange):
     protocol = "p2p"
 
-    def _chain(self, S: torch.Tensor, M: torch.Tensor, forward: bool) -> torch.Tensor:
+    def _chain(self, S: torch.Tensor, M: torch.Tensor, forward: bool) -> Callable[[], torch.Tensor]:
         P, r = self.world_size, self.position
         prev, nxt = (r - 1, r + 1) if forward else (r + 1, r - 1)
         tag = _TAG_FWD if forward else _TAG_BWD
         acc = torch.zeros_like(S, memory_format=torch.contiguous_format)
+        works: list[Any] = []
         if 0 <= prev < P:
-            dist.recv(acc, src=self.ranks[prev], group=self.group, tag=tag)
+            if 0 <= nxt < P:  # a middle rank sends what it received, folded: receive now
+                dist.recv(acc, src=self.ranks[prev], group=self.group, tag=tag)
+            else:  # the chain's end: the receive stays in flight until wait()
+                works.append(dist.irecv(acc, src=self.ranks[prev], group=self.group, tag=tag))
         if 0 <= nxt < P:
-            dist.send(
-                _step(S, M, acc, forward, self.backend),
-                dst=self.ranks[nxt],
-                group=self.group,
-                tag=tag,
-            )
-        return acc
+            out = _step(S, M, acc, forward, self.backend)
+            works.append(dist.isend(out, dst=self.ranks[nxt], group=self.group, tag=tag))
+        return _waiting(works, lambda: acc)  # the finisher keeps the send buffer alive
 
-    def _forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    def _start_forward(self, S: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
         return self._chain(S, M, True)
 
-    def _backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    def _start_backward(self, G: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
         return self._chain(G, M, False)
 
 
-def _gather_packed(
+def _start_gather(
     S: torch.Tensor, M: torch.Tensor, width: int, group: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather ``[S | M]`` over ``group``; return views ``(states [w, ...], matrices [w, ...])``
-    of the one packed buffer."""
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """Launch the all-gather of ``[S | M]`` over ``group`` (asynchronously); the returned
+    function waits for it and returns views ``(states [w, ...], matrices [w, ...])`` of the one
+    packed buffer."""
     V = S.shape[-1]
     packed = torch.cat([S, M], dim=-1)
+    work = None
     if width == 1:
         gathered = packed.unsqueeze(0)
     else:
         # Concatenated along dim 0 (the form every backend accepts), then viewed per slot.
         flat = packed.new_empty(width * packed.shape[0], *packed.shape[1:])
-        all_gather_single(flat, packed, group=group)
+        work = all_gather_single(flat, packed, group=group, async_op=True)
         gathered = flat.view(width, *packed.shape)
-    return gathered[..., :V], gathered[..., V:]
+
+    def done() -> tuple[torch.Tensor, torch.Tensor]:
+        if work is not None:
+            work.wait()
+        return gathered[..., :V], gathered[..., V:]
+
+    return done
 
 
 class _AllGather(StateExchange):
     protocol = "allgather"
 
-    def _forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-        states, maps = _gather_packed(S, M, self.world_size, self.group)
-        return affine_merge(states, maps, self.position, forward=True, backend=self.backend)
+    def _start(self, S: torch.Tensor, M: torch.Tensor, forward: bool) -> Callable[[], torch.Tensor]:
+        gathered = _start_gather(S, M, self.world_size, self.group)
 
-    def _backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-        states, maps = _gather_packed(G, M, self.world_size, self.group)
-        return affine_merge(states, maps, self.position, forward=False, backend=self.backend)
+        def finish() -> torch.Tensor:
+            states, maps = gathered()
+            return affine_merge(states, maps, self.position, forward=forward, backend=self.backend)
+
+        return finish
+
+    def _start_forward(self, S: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return self._start(S, M, True)
+
+    def _start_backward(self, G: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return self._start(G, M, False)
 
 
 class _Grouped(StateExchange):
@@ -194,56 +258,56 @@ class _Grouped(StateExchange):
             )
             self.member_group = sub.get_group(1)
 
-    def _forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    def _start(self, S: torch.Tensor, M: torch.Tensor, forward: bool) -> Callable[[], torch.Tensor]:
+        """Forward: groups of ``w`` consecutive ranks, each group's last rank a link of the
+        chain of group leaders (to the next group's last rank), then broadcasting the incoming
+        state in its group. Backward mirrors it: the first rank of each group leads, the chain
+        runs towards rank 0, the scans are transposed and run from the group's end."""
         w, r = self.group_size or 1, self.position
         n_groups, gi, i = self.world_size // w, r // w, r % w
-        maps = _gather_packed(S, M, w, self.member_group)
-        incoming = None
-        if i == w - 1:
-            if gi > 0:
+        lead_i = w - 1 if forward else 0  # the group's leader
+        has_prev = gi > 0 if forward else gi < n_groups - 1  # a group the chain comes from
+        has_next = gi < n_groups - 1 if forward else gi > 0
+        step = w if forward else -w  # to the next group's leader, in the chain's direction
+        tag = _TAG_FWD if forward else _TAG_BWD
+        gathered = _start_gather(S, M, w, self.member_group)
+        incoming: torch.Tensor | None = None
+        own: torch.Tensor | None = None
+        works: list[Any] = []
+        if i == lead_i:  # this rank's link of the leaders' chain runs now: it never waits
+            maps = gathered()
+            if has_prev:
                 incoming = torch.empty_like(S, memory_format=torch.contiguous_format)
-                dist.recv(incoming, src=self.ranks[r - w], group=self.group, tag=_TAG_FWD)
+                dist.recv(incoming, src=self.ranks[r - step], group=self.group, tag=tag)
+            order = range(0, w) if forward else range(w - 1, -1, -1)
             own, out = affine_scan(
-                maps, incoming, range(0, w), prefix_count=w - 1, backend=self.backend
+                maps, incoming, order, forward=forward, prefix_count=w - 1, backend=self.backend
             )
-            if gi < n_groups - 1:
-                dist.send(out, dst=self.ranks[r + w], group=self.group, tag=_TAG_FWD)
-        if gi > 0 and w > 1:
+            if has_next:
+                works.append(dist.isend(out, dst=self.ranks[r + step], group=self.group, tag=tag))
+        if has_prev and w > 1:
             if incoming is None:
                 incoming = torch.empty_like(S, memory_format=torch.contiguous_format)
-            dist.broadcast(incoming, src=self.ranks[gi * w + w - 1], group=self.member_group)
-        if i == w - 1:
-            return own
-        result = affine_scan(maps, incoming, range(0, i), backend=self.backend)
-        assert isinstance(result, torch.Tensor)
-        return result
+            src = self.ranks[gi * w + lead_i]
+            works.append(dist.broadcast(incoming, src=src, group=self.member_group, async_op=True))
 
-    def _backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-        w, r = self.group_size or 1, self.position
-        n_groups, gi, i = self.world_size // w, r // w, r % w
-        maps = _gather_packed(G, M, w, self.member_group)
-        incoming = None
-        if i == 0:
-            if gi < n_groups - 1:
-                incoming = torch.empty_like(G, memory_format=torch.contiguous_format)
-                dist.recv(incoming, src=self.ranks[r + w], group=self.group, tag=_TAG_BWD)
-            own, out = affine_scan(
-                maps, incoming, range(w - 1, -1, -1), forward=False, prefix_count=w - 1,
-                backend=self.backend,
-            )  # fmt: skip
-            if gi > 0:
-                dist.send(out, dst=self.ranks[r - w], group=self.group, tag=_TAG_BWD)
-        if gi < n_groups - 1 and w > 1:
-            if incoming is None:
-                incoming = torch.empty_like(G, memory_format=torch.contiguous_format)
-            dist.broadcast(incoming, src=self.ranks[gi * w], group=self.member_group)
-        if i == 0:
-            return own
-        result = affine_scan(
-            maps, incoming, range(w - 1, i, -1), forward=False, backend=self.backend
-        )
-        assert isinstance(result, torch.Tensor)
-        return result
+        def finish() -> torch.Tensor:
+            for work in works:
+                work.wait()
+            if own is not None:
+                return own
+            order = range(0, i) if forward else range(w - 1, i, -1)
+            result = affine_scan(gathered(), incoming, order, forward=forward, backend=self.backend)
+            assert isinstance(result, torch.Tensor)
+            return result
+
+        return finish
+
+    def _start_forward(self, S: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return self._start(S, M, True)
+
+    def _start_backward(self, G: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return self._start(G, M, False)
 
 
 class _Auto(StateExchange):
@@ -282,11 +346,11 @@ class _Auto(StateExchange):
         c = self.choice(S)
         return self.candidates[(c.protocol, c.group_size)]
 
-    def _forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-        return self._pick(S)._forward(S, M)
+    def _start_forward(self, S: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return self._pick(S)._start_forward(S, M)
 
-    def _backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-        return self._pick(G)._backward(G, M)
+    def _start_backward(self, G: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return self._pick(G)._start_backward(G, M)
 
 
 def _check_group_size(protocol: str, group_size: object, P: int) -> int | None:

@@ -6,6 +6,13 @@ initial state enters as part of the first rank's summary (``S_0 ← M_0 h_0 + S_
 the gradient reaching ``h_in(r)`` is exchanged as the transposed suffix, which gives
 ``∂L/∂S_r = g_out(r)`` and ``∂L/∂M_r = g_out(r) h_in(r)ᵀ``; autograd carries both into
 ``k, v, g, β`` through the summary.
+
+Schedule: the block's summary terms first, then the exchange is launched, then the chunks' own
+attention (the state-independent output terms ``Q_eff``, ``O_c = P U``) runs while it is in
+flight, and only the chunked recurrence from ``h_in`` waits for it. Backward mirrors it: the
+node that receives ``∂L/∂h_in`` launches the gradient exchange, autograd then runs the
+backward of those output terms (recorded after the launch, so it runs first), and the launch
+node's backward completes the exchange before the summary's backward needs ``g_out``.
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ from hyper_parallel.dtensor.amp import without_autocast
 from hyper_parallel.dtensor.consistency import consistency_enabled
 
 from ._checks import check_chunk_size, check_kernel_dims, check_qkv
-from .chunk import chunk_terms, compose_chunks, run_chunks
+from .chunk import compose_chunks, output_terms, run_chunks, summary_terms
 from .cost import CostParams, choose_protocol
-from .exchange import StateExchange, build_state_exchange, default_width
+from .exchange import PendingExchange, StateExchange, build_state_exchange, default_width
 from .merge import choose_backend
 from .packing import PackedBlock, packed_block
 
@@ -34,6 +41,10 @@ _EXECUTORS: dict[tuple[Any, ...], StateExchange] = {}
 # would find the executor bound to the destroyed groups: a new world empties the cache (as
 # hp-dtensor's group cache does), and the key holds the mesh's own group object as well.
 _WORLD: object = None
+# Overlap the state exchange with the block's state-independent output terms (forward and
+# backward). False runs the earlier schedule (every local term, then the exchange); the
+# results are bitwise the same (the benchmark compares the two schedules' times).
+_OVERLAP = True
 
 
 def executor_for(
@@ -108,28 +119,63 @@ def _check_consistent_call(
     )
 
 
-class _ExchangeFn(torch.autograd.Function):
-    """``(S_r, M_r) ↦ h_in(r)``; keeps only the rank's own ``M`` and ``h_in`` for backward.
-    ``anchors`` (empty tensors, zero gradient) only tie the node into the autograd graph of a
-    rank whose chunk is empty."""
+class _Exchange:
+    """One exchange's two directions, shared by its launch and wait nodes: the pending
+    transfers, this rank's own ``M`` and ``h_in`` (all that backward keeps)."""
+
+    def __init__(self, ex: StateExchange) -> None:
+        self.ex = ex
+        self.pending: PendingExchange | None = None
+        self.M: torch.Tensor | None = None
+        self.h_in: torch.Tensor | None = None
+
+
+class _StartExchange(torch.autograd.Function):
+    """``(S_r, M_r)`` ↦ a placeholder; launches the forward exchange. Its backward completes
+    the gradient exchange launched by :class:`_WaitExchange`'s backward and returns
+    ``∂L/∂S_r = g_out``, ``∂L/∂M_r = g_out h_inᵀ``. ``anchors`` (empty tensors, zero gradient)
+    only tie the nodes into the autograd graph of a rank whose chunk is empty."""
 
     @staticmethod
     def forward(
-        ctx: Any, S: torch.Tensor, M: torch.Tensor, ex: StateExchange, *anchors: torch.Tensor
+        ctx: Any, S: torch.Tensor, M: torch.Tensor, state: _Exchange, *anchors: torch.Tensor
     ) -> torch.Tensor:
-        h_in = ex.exchange_forward(S, M)
-        ctx.ex = ex
+        state.M = M.detach()
+        state.pending = state.ex.start_forward(S, M)
+        ctx.state = state
         ctx.anchors = [(a.shape, a.dtype, a.device) for a in anchors]
-        ctx.save_for_backward(M, h_in)
+        return S.new_empty(0)
+
+    @staticmethod
+    @without_autocast
+    def backward(ctx: Any, _unused: torch.Tensor) -> tuple[Any, ...]:
+        state: _Exchange = ctx.state
+        assert state.pending is not None and state.h_in is not None
+        g_out = state.pending.wait()
+        state.pending = None
+        empty = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.anchors]
+        return (g_out, g_out @ state.h_in.transpose(-1, -2), None, *empty)
+
+
+class _WaitExchange(torch.autograd.Function):
+    """placeholder ↦ ``h_in(r)``: completes the forward exchange. Its backward launches the
+    gradient exchange of ``∂L/∂h_in(r)``."""
+
+    @staticmethod
+    def forward(ctx: Any, placeholder: torch.Tensor, state: _Exchange) -> torch.Tensor:
+        assert state.pending is not None
+        h_in = state.pending.wait()
+        state.pending, state.h_in = None, h_in.detach()
+        ctx.state = state
         return h_in
 
     @staticmethod
     @without_autocast
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        M, h_in = ctx.saved_tensors
-        g_out = ctx.ex.exchange_backward(grad.to(torch.float32).contiguous(), M)
-        empty = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.anchors]
-        return (g_out, g_out @ h_in.transpose(-1, -2), None, *empty)
+        state: _Exchange = ctx.state
+        assert state.M is not None
+        state.pending = state.ex.start_backward(grad.to(torch.float32).contiguous(), state.M)
+        return grad.new_zeros(0), None  # only orders the launch node's backward after this one
 
 
 @without_autocast  # state and summaries in float32 under autocast too: the core casts itself
@@ -217,11 +263,17 @@ def kda_context_parallel(
         M = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, H, K, K).contiguous()
         anchors = (q, k, v, g, beta)
     else:
-        terms = chunk_terms(f32[0], f32[1], f32[2], f32[3], f32[4], scale, chunk_size, resets)
-        S, M = compose_chunks(terms)
+        staged = summary_terms(f32[1], f32[2], f32[3], f32[4], chunk_size, resets)
+        S, M = compose_chunks(staged)
     if h0 is not None:
         S = M @ h0 + S
-    h_x = _ExchangeFn.apply(S.contiguous(), M.contiguous(), ex, *anchors)
+    if T and not _OVERLAP:  # the earlier schedule: every local term before the exchange
+        local = output_terms(staged, f32[0], scale)
+    state = _Exchange(ex)
+    started = _StartExchange.apply(S.contiguous(), M.contiguous(), state, *anchors)
+    if T and _OVERLAP:  # the chunks' own attention, while the exchange is in flight
+        local = output_terms(staged, f32[0], scale)
+    h_x = _WaitExchange.apply(started, state)
     h_in = h_x + h0 if h0 is not None else h_x
     if T == 0:
         # o = q h_in over zero tokens: empty, but linked to the exchange, so a loss over this
@@ -229,5 +281,5 @@ def kda_context_parallel(
         o = (f32[0].transpose(1, 2) @ h_in).transpose(1, 2)
         h_out = h_in
     else:
-        o, h_out = run_chunks(terms, h_in, T)
+        o, h_out = run_chunks((staged.S_c, staged.M_c, *local), h_in, T)
     return o.to(v.dtype), (h_out if output_final_state and last else None)
