@@ -1,9 +1,10 @@
 """Per-layer time and communication of the main job (a dispatch mode plus module hooks).
 
 ``LayerMeter(layers)`` times each named layer's forward and backward and counts the bytes this
-rank receives from its peers in every ``torch.distributed`` collective, attributed to the layer
-running; ``meter.recorder`` (an hp-context-parallel ``EventRecorder``) also gets the layer spans
-for the trace of the recorded step.
+rank moves over its link in every ``torch.distributed`` collective (hp-dtensor's
+``comm.link_bytes``, the rule the recorder and the modeled link use), attributed to the layer
+running; ``meter.recorder`` (hp-dtensor's ``EventRecorder``) also gets the layer spans for the
+trace of the recorded step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from hyper_parallel.dtensor.comm import link_bytes
 
 
 class _Stamp(torch.autograd.Function):
@@ -30,12 +33,11 @@ class _Stamp(torch.autograd.Function):
 
 
 class LayerMeter(TorchDispatchMode):
-    """Per-layer forward/backward wall time (every step) and bytes received from peers by
-    this rank's collectives (while the dispatch mode is on), attributed to the layer running.
+    """Per-layer forward/backward wall time (every step) and the bytes this rank's collectives
+    move over its link (while the dispatch mode is on), attributed to the layer running.
 
-    Bytes are what a rank receives in a direct exchange: all-gather ``(P-1)`` shards,
-    reduce-scatter ``(P-1)`` shard-sized partials, all-to-all ``(P-1)/P`` of the output,
-    recv and non-root broadcast the tensor, all-reduce ``(P-1)`` copies."""
+    Bytes by ``comm.link_bytes``: ``(P-1)/P`` of the gathered, scattered or exchanged buffer,
+    ``2(P-1)/P`` of an all-reduced one, the tensor of a send, receive or broadcast."""
 
     def __init__(self, layers: list[tuple[str, torch.nn.Module]]) -> None:
         super().__init__()
@@ -87,13 +89,13 @@ class LayerMeter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = str(func)
         if name.startswith("c10d."):
-            n = _received_bytes(name, args)
+            n = _link_bytes(name, args)
             if n:
                 self.bytes[self.current] = self.bytes.get(self.current, 0) + n
         return out
 
 
-def _received_bytes(op: str, args: Any) -> int:
+def _link_bytes(op: str, args: Any) -> int:
     pg = None
     for a in args:  # the process group arrives as a TorchScript object
         if type(a).__name__ == "ScriptObject":
@@ -109,21 +111,18 @@ def _received_bytes(op: str, args: Any) -> int:
             return t.numel() * t.element_size()
         return sum(nbytes(x) for x in t) if isinstance(t, list | tuple) else 0
 
-    if "_allgather_base_" in op:
-        return nbytes(args[0]) - nbytes(args[1])
-    if "_reduce_scatter_base_" in op:
-        return nbytes(args[1]) - nbytes(args[0])
-    if "alltoall_base_" in op:
-        return nbytes(args[0]) * (ws - 1) // ws
-    if "allgather_" in op or "alltoall_" in op:
-        return nbytes(args[0]) * (ws - 1) // ws
-    if "reduce_scatter_" in op:
-        return nbytes(args[1]) * (ws - 1) // ws
-    if "recv_" in op:
-        return nbytes(args[0])
-    if "broadcast_" in op:
-        root = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
-        return 0 if pg is None or pg.rank() == root else nbytes(args[0])
-    if "allreduce_" in op:
-        return nbytes(args[0]) * (ws - 1)
+    # c10d op -> (the byte rule's collective, the argument holding its buffer)
+    for key, kind, arg in (
+        ("_allgather_base_", "all_gather", 0),
+        ("_reduce_scatter_base_", "reduce_scatter", 1),
+        ("alltoall", "all_to_all", 0),
+        ("allgather_", "all_gather", 0),
+        ("reduce_scatter_", "reduce_scatter", 1),
+        ("allreduce_", "all_reduce", 0),
+        ("broadcast_", "broadcast", 0),
+        ("recv_", "recv", 0),
+        ("send", "send", 0),
+    ):
+        if key in op:
+            return link_bytes(kind, nbytes(args[arg]), ws)
     return 0

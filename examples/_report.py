@@ -87,10 +87,11 @@ HOW = {
 def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float) -> None:
     mesh = record["mesh"]
     print(
-        f"\nper layer, one step (cp={mesh['cp']} x tp={mesh['tp']}; bytes each rank receives "
-        "from its peers, counted on the traced step; time: slowest rank, mean over steps)"
+        f"\nper layer, one step (cp={mesh['cp']} x tp={mesh['tp']}; bytes each rank moves over "
+        "its link (hp-dtensor's comm.link_bytes), counted on the traced step; time: slowest "
+        "rank, mean over steps)"
     )
-    head = f"{'layer':<12} {'parallelism':<42} {'recv/rank (max)':>16} {'total recv':>12} " \
+    head = f"{'layer':<12} {'parallelism':<42} {'link/rank (max)':>16} {'total link':>12} " \
            f"{'fwd ms':>8} {'bwd ms':>8}"  # fmt: skip
     print(head)
     print("-" * len(head))

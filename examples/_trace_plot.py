@@ -2,7 +2,7 @@
 
 One pair of lanes per rank: ``compute`` (tid 0: each layer's forward/backward span, the spans
 recorded inside it, time blocked in a wait) and, right under it, ``comm`` (tid 1: each
-collective recorded by hp-context-parallel's ``record_events`` from launch to the end of its
+collective recorded by hp-dtensor's ``record_events`` from launch to the end of its
 wait). A collective bar under a compute bar is communication hidden behind compute; a red
 ``wait`` span is communication that was not. The layers that do not record their collectives
 (MC2, KDA, the gradient all-reduce) show their communication inside their compute spans.

@@ -138,7 +138,7 @@ class RankHooks:
 
     @contextmanager
     def step(self, step: int) -> Any:
-        from hyper_parallel.context_parallel import record_events
+        from hyper_parallel.dtensor.recorder import record_events
 
         self.current = step
         if step == self.h.fail_step and self.rank == self.h.fail_rank:  # drill

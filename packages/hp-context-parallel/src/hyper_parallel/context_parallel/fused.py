@@ -5,7 +5,8 @@
 with its rows of ``kv_b_proj``) split their backward into the input-gradient matmul, the start
 of the gradient's collective, and the weight-gradient matmul, so that the collective is in
 flight during the weight-gradient matmul. ``mark`` inserts begin/end events around compute
-(only while a recorder is active: no graph nodes otherwise); ``span`` records inside a node.
+(only while a recorder is active: no graph nodes otherwise); ``span`` (hp-dtensor's recorder)
+records inside a node.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
-from hyper_parallel.context_parallel import recorder as _rec
 from hyper_parallel.context_parallel.exchange import Exchange
 from hyper_parallel.context_parallel.head_groups import merge_heads
 from hyper_parallel.context_parallel.mla import kv_heads
+from hyper_parallel.dtensor import recorder as _rec
 from hyper_parallel.dtensor.amp import autocast_off, cast_for_autocast, without_autocast
+from hyper_parallel.dtensor.recorder import span
 
 __all__ = ["WaitExpand", "WaitLinear", "WaitLinearGroups", "mark", "span"]
 
@@ -48,23 +50,6 @@ def mark(name: str, begin: bool, *xs: Tensor) -> tuple[Tensor, ...]:
     if _rec._ACTIVE is None:
         return xs
     return _Mark.apply(name, begin, *xs)
-
-
-class span:
-    """Record a compute span inside a fused node (no-op when recording is off)."""
-
-    __slots__ = ("name", "phase", "rec")
-
-    def __init__(self, name: str, phase: str) -> None:
-        self.name, self.phase, self.rec = name, phase, _rec._ACTIVE
-
-    def __enter__(self) -> None:
-        if self.rec is not None:
-            self.rec.add("begin", self.name, self.phase)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.rec is not None:
-            self.rec.add("end", self.name, self.phase)
 
 
 # ---- fused wait + matmul nodes with split input/weight gradients ------------------------

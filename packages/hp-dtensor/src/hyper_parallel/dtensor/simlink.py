@@ -20,9 +20,10 @@ the way a DMA engine on a real link would finish in the background:
 - torch's functional collectives (what DTensor redistribution uses) are treated as blocking,
   which is what they are in eager mode when their result is used at once.
 
-Bytes are those this rank moves over the link: ``(P-1)/P`` of the gathered / scattered /
-exchanged buffer, ``2(P-1)/P`` of an all-reduced one, the whole tensor of a send, receive or
-broadcast. A group of one rank costs nothing. Nothing numerical changes.
+Bytes are those this rank moves over the link, by the one rule the recorder also uses
+(``comm.link_bytes``): ``(P-1)/P`` of the gathered / scattered / exchanged buffer, ``2(P-1)/P``
+of an all-reduced one, the whole tensor of a send, receive or broadcast. A group of one rank
+costs nothing. Nothing numerical changes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+
+from hyper_parallel.dtensor.comm import link_bytes
 
 __all__ = ["LinkStats", "simulated_link"]
 
@@ -107,32 +110,32 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> An
 # bytes each c10d call moves over this rank's link: (args, kwargs) -> bytes
 def _gather_bytes(a: tuple[Any, ...], k: dict[str, Any]) -> int:
     p = _size(k.get("group", a[2] if len(a) > 2 else None))
-    return _nbytes(_arg(a, k, 0, "output_tensor")) * (p - 1) // p
+    return link_bytes("all_gather", _nbytes(_arg(a, k, 0, "output_tensor")), p)
 
 
 def _scatter_bytes(a: tuple[Any, ...], k: dict[str, Any]) -> int:
     p = _size(k.get("group", a[3] if len(a) > 3 else None))
-    return _nbytes(_arg(a, k, 1, "input")) * (p - 1) // p
+    return link_bytes("reduce_scatter", _nbytes(_arg(a, k, 1, "input")), p)
 
 
 def _a2a_bytes(a: tuple[Any, ...], k: dict[str, Any]) -> int:
     p = _size(k.get("group", a[4] if len(a) > 4 else None))
-    return _nbytes(_arg(a, k, 1, "input")) * (p - 1) // p
+    return link_bytes("all_to_all", _nbytes(_arg(a, k, 1, "input")), p)
 
 
 def _list_gather_bytes(a: tuple[Any, ...], k: dict[str, Any]) -> int:
     p = _size(k.get("group", a[2] if len(a) > 2 else None))
-    return _nbytes(_arg(a, k, 1, "tensor")) * (p - 1)
+    return link_bytes("all_gather", _nbytes(_arg(a, k, 1, "tensor")) * p, p)
 
 
 def _reduce_bytes(a: tuple[Any, ...], k: dict[str, Any]) -> int:
     p = _size(k.get("group", a[2] if len(a) > 2 else None))
-    return 2 * _nbytes(_arg(a, k, 0, "tensor")) * (p - 1) // p
+    return link_bytes("all_reduce", _nbytes(_arg(a, k, 0, "tensor")), p)
 
 
 def _whole_bytes(a: tuple[Any, ...], k: dict[str, Any]) -> int:
     p = _size(k.get("group", a[2] if len(a) > 2 else None))
-    return _nbytes(_arg(a, k, 0, "tensor")) if p > 1 else 0
+    return link_bytes("send", _nbytes(_arg(a, k, 0, "tensor")), p)
 
 
 _C10D: dict[str, tuple[Callable[..., int], bool]] = {
@@ -197,14 +200,14 @@ def _wrap_funcol(name: str, original: Callable[..., Any], stats: LinkStats) -> C
         out = funcol.wait_tensor(out)
         if name == "all_gather_single":
             p = max(1, out.numel() // max(1, tensor.numel()))
-            nbytes = _nbytes(out) * (p - 1) // p
+            nbytes = link_bytes("all_gather", _nbytes(out), p)
         elif name == "reduce_scatter_single":
             p = max(1, tensor.numel() // max(1, out.numel()))
-            nbytes = _nbytes(tensor) * (p - 1) // p
+            nbytes = link_bytes("reduce_scatter", _nbytes(tensor), p)
         else:  # all_reduce(self, reduceOp, group)
             group = args[1] if len(args) > 1 else kwargs.get("group")
             p = _funcol_group_size(group)
-            nbytes = 2 * _nbytes(tensor) * (p - 1) // p
+            nbytes = link_bytes("all_reduce", _nbytes(tensor), p)
         if nbytes:
             stats.collectives += 1
             stats.bytes += nbytes
