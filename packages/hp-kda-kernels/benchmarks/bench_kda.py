@@ -19,6 +19,13 @@
    ``kda_exchange_link/P4/<protocol>_vs_best``, and ``auto_vs_best`` with what ``auto`` picks
    on this device (its default cost parameters) and what its cost model picks when told the
    link's latency and bandwidth, both checked against the measured best.
+7. At 2 and 4 ranks, ``kda_context_parallel`` (forward + backward of each rank's block) with the
+   state exchange in flight while the block's own attention runs (the schedule) vs the earlier
+   schedule (every local term, then the exchange), per protocol, under the same modeled link
+   (``kda_layer_link/P<P>/<protocol>/overlapped_vs_serial``) and on the plain gloo link
+   (``kda_layer_overlap/P<P>/...``), with the time each step spends inside the exchange's
+   launches and waits (``exposed_exchange_s``: what compute did not hide). ``--link-only``
+   runs sections 6 and 7 alone.
 
     python packages/hp-kda-kernels/benchmarks/bench_kda.py --out bench-results/kda.json [--quick]
     torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/bench_kda.py \
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +70,7 @@ from hyper_parallel.kda import (
     state_summary,
 )
 from hyper_parallel.kda import exchange as exchange_mod
+from hyper_parallel.kda import layer as layer_mod
 from hyper_parallel.kda.cost import grouped_widths
 
 
@@ -141,8 +150,11 @@ class _ByteCounter:
             self.bytes += t.nbytes
             return self._saved["recv"](t, *a, **kw)
 
-        def irecv(t: torch.Tensor, *a: Any, **kw: Any) -> Any:  # only the halo uses irecv
-            self.halo_bytes += t.nbytes
+        def irecv(t: torch.Tensor, *a: Any, **kw: Any) -> Any:  # the halo's, or a chain's end
+            if kw.get("tag") in (exchange_mod._TAG_FWD, exchange_mod._TAG_BWD):
+                self.bytes += t.nbytes
+            else:
+                self.halo_bytes += t.nbytes
             return self._saved["irecv"](t, *a, **kw)
 
         def broadcast(t: torch.Tensor, src: int, *a: Any, **kw: Any) -> Any:
@@ -326,6 +338,140 @@ def bench_exchange_link(cfg: dict[str, Any], device: torch.device) -> list[dict[
     return records
 
 
+# ---- 7. the exchange in flight under the block's own attention ------------------------------
+def bench_layer_overlap(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    P, r = dist.get_world_size(), dist.get_rank()
+    B, T, H, K, V = 1, cfg["overlap_T"], cfg["overlap_heads"], 128, 128
+    latency, bandwidth = cfg["link_latency"], cfg["link_bytes_per_s"]
+    mesh = init_device_mesh(device.type, (P,), mesh_dim_names=("cp",))
+    full = _inputs(B, T, H, K, V, device)
+    lo, hi = T * r // P, T * (r + 1) // P
+    local = [x[:, lo:hi].clone().requires_grad_() for x in full]
+    variants: dict[str, Any] = {"p2p": ("p2p", None), "allgather": ("allgather", None)}
+    for w in grouped_widths(P):
+        variants[f"grouped:{w}"] = ("grouped", w)
+
+    def run(protocol: str, width: int | None, overlap: bool) -> Callable[[], None]:
+        def step() -> None:
+            layer_mod._OVERLAP = overlap
+            try:
+                o, _ = kda_context_parallel(
+                    *local, mesh, protocol=protocol, group_size=width, chunk_size=64,
+                    backend="torch",
+                )  # fmt: skip
+                o.sum().backward()
+            finally:
+                layer_mod._OVERLAP = True
+            for x in local:
+                x.grad = None
+
+        return step
+
+    cases = {
+        f"{name}/{mode}": run(p, w, mode == "overlapped")
+        for name, (p, w) in variants.items()
+        for mode in ("overlapped", "serial")
+    }
+    repeats = cfg["repeats"] * 3
+    with simulated_link(latency, bandwidth):
+        linked = interleaved_timing(cases, repeats=repeats, warmup=2, device=device)
+    plain = interleaved_timing(cases, repeats=repeats, warmup=2, device=device)
+    t_link: dict[str, float] = {}  # modeled link seconds of one step, busiest rank
+    for name in variants:
+        with simulated_link(latency, bandwidth) as stats:
+            cases[f"{name}/overlapped"]()
+        t = torch.tensor([stats.modeled_s], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t_link[name] = float(t[0])
+    with simulated_link(latency, bandwidth):
+        exposed_link = _exposed_exchange(cases, repeats)
+    exposed_plain = _exposed_exchange(cases, repeats)
+    shapes = {"B": B, "T": T, "H": H, "K": K, "V": V, "dtype": "fp32", "P": P, "chunk_size": 64}
+    records = []
+    for name in variants:
+        records.append(
+            bench_record(
+                f"kda_layer_link/P{P}/{name}/overlapped_vs_serial",
+                linked[f"{name}/overlapped"],
+                linked[f"{name}/serial"],
+                device=device.type,
+                protocol=name,
+                simulated=True,
+                link_latency_s=latency,
+                link_bytes_per_s=bandwidth,
+                t_link_s=t_link[name],
+                direction="fwd+bwd",
+                exposed_exchange_s=exposed_link[f"{name}/overlapped"],
+                exposed_exchange_serial_s=exposed_link[f"{name}/serial"],
+                **shapes,
+            )
+        )
+        records.append(
+            bench_record(
+                f"kda_layer_overlap/P{P}/{name}/overlapped_vs_serial",
+                plain[f"{name}/overlapped"],
+                plain[f"{name}/serial"],
+                device=device.type,
+                protocol=name,
+                direction="fwd+bwd",
+                exposed_exchange_s=exposed_plain[f"{name}/overlapped"],
+                exposed_exchange_serial_s=exposed_plain[f"{name}/serial"],
+                **shapes,
+            )
+        )
+    if r == 0:
+        print(
+            f"layer overlap (P={P}, T={T}, H={H}): "
+            + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in linked.items())
+            + " under the modeled link; "
+            + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in plain.items())
+            + " on gloo; exposed exchange (in start + wait, slowest rank) "
+            + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in exposed_link.items())
+            + " under the link, "
+            + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in exposed_plain.items())
+            + " on gloo"
+        )
+    return records
+
+
+def _exposed_exchange(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median over steps of the time a step spends inside the state exchange's launches and
+    waits (forward and backward), the slowest rank's: the communication compute did not hide."""
+    spent = [0.0]
+    saved = {
+        (exchange_mod.StateExchange, "start_forward"): exchange_mod.StateExchange.start_forward,
+        (exchange_mod.StateExchange, "start_backward"): exchange_mod.StateExchange.start_backward,
+        (exchange_mod.PendingExchange, "wait"): exchange_mod.PendingExchange.wait,
+    }
+
+    def timed(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        return wrapped
+
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for (owner, attr), original in saved.items():
+        setattr(owner, attr, timed(original))
+    try:
+        for _ in range(repeats):
+            for name, fn in cases.items():
+                dist.barrier()
+                spent[0] = 0.0
+                fn()
+                t = torch.tensor([spent[0]], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                samples[name].append(float(t[0]))
+    finally:
+        for (owner, attr), original in saved.items():
+            setattr(owner, attr, original)
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+
+
 # ---- 3. the layer vs the serial layer ------------------------------------------------------
 def bench_layer(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
     P, r = dist.get_world_size(), dist.get_rank()
@@ -480,11 +626,17 @@ def bench_kernels(cfg: dict[str, Any], device: torch.device) -> list[dict[str, A
 
 def _ranks_body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     device = torch.device(cfg["device"])
+    P = dist.get_world_size()
+    if cfg["link_only"]:
+        records = bench_exchange_link(cfg, device) if P == 4 else []
+        return records + bench_layer_overlap(cfg, device)
     records = bench_exchange(cfg, device)
-    if dist.get_world_size() == 4 and cfg["link"]:
+    if P == 4 and cfg["link"]:
         records += bench_exchange_link(cfg, device)
-    if dist.get_world_size() == 2:
+    if P == 2:
         records += bench_layer(cfg, device)
+    if cfg["link"]:
+        records += bench_layer_overlap(cfg, device)
     records += bench_stock_layer(cfg, device)
     return records
 
@@ -495,12 +647,15 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--link-bandwidth", type=float, default=1e11, help="modeled link bytes/s")
     p.add_argument("--link-heads", type=int, default=1, help="heads H of the link comparison")
     p.add_argument("--no-link", action="store_true", help="skip the modeled-link comparison")
+    p.add_argument("--link-only", action="store_true", help="only sections 6 and 7")
     a = p.parse_args(argv)
     if a.quick:
         cfg = dict(summary_T=256, summary_H=2, heads=8, layer_T=512, layer_H=1, repeats=3)
+        cfg.update(overlap_T=256, overlap_heads=1)
         cfg.update(stock_T=512, stock_hidden=256, stock_heads=2, stock_repeats=2)
     else:
         cfg = dict(summary_T=1024, summary_H=4, heads=32, layer_T=4096, layer_H=4, repeats=5)
+        cfg.update(overlap_T=1024, overlap_heads=2)
         cfg.update(stock_T=8192, stock_hidden=1024, stock_heads=8, stock_repeats=3)
         if a.device == "cpu" and not launched_by_torchrun():
             # the stock serial layer's PyTorch path needs > 13 GB and minutes per step at
@@ -510,6 +665,7 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     cfg.update(
         link_heads=a.link_heads,
         link=not a.no_link,
+        link_only=a.link_only,
         link_latency=a.link_latency,
         link_bytes_per_s=a.link_bandwidth,
     )
@@ -534,7 +690,7 @@ def main(argv: list[str] | None = None) -> None:
     if launched_by_torchrun():
         records = run_ranks(_torchrun_body, cfg)
     else:
-        records = bench_summary(cfg)
+        records = [] if cfg["link_only"] else bench_summary(cfg)
         for P in (2, 4):
             records += run_ranks(_ranks_body, cfg, world_size=P, timeout=900.0) or []
     if records is not None:
