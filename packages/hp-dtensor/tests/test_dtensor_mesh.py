@@ -304,6 +304,10 @@ def test_dtensor_works_on_unflattened_mesh(fallback, four_ranks):
 
 
 def _reinit_world():
+    from hyper_parallel.dtensor.cache import WorldCache
+
+    cache: WorldCache[str, int] = WorldCache()
+    made = [cache.get_or_create("k", lambda: 1), cache.get_or_create("k", lambda: 2)]
     first = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     old_group = unflatten(first, "a", (2,), ("a2",)).get_group("b")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -315,6 +319,9 @@ def _reinit_world():
     )
     second = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     new_group = second.get_group("b")
+    # a world-scoped cache forgets what the old world put in it
+    assert made == [1, 1] and "k" not in cache and len(cache) == 0
+    assert cache.get_or_create("k", lambda: 3) == 3
     return second is not first, new_group is not old_group, _sum_over(new_group)
 
 

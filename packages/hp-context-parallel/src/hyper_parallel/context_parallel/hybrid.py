@@ -20,11 +20,14 @@ from hyper_parallel.context_parallel.collectives import (
     ulysses_seq_to_head,
 )
 from hyper_parallel.dtensor import DeviceMesh, check_consistent, unflatten
+from hyper_parallel.dtensor.cache import WorldCache
 from hyper_parallel.dtensor.consistency import consistency_enabled
 
 __all__ = ["hybrid_attention", "hybrid_meshes"]
 
-_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = {}
+# (id of the CP mesh, degree) -> (that mesh, ulysses, gather); emptied in a new world, and the
+# mesh itself is kept and compared, so a recycled id never matches another mesh
+_MESHES: WorldCache[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = WorldCache()
 
 
 def _check_degree(cp_mesh: Any, degree: Any) -> int:

@@ -17,26 +17,19 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from hyper_parallel.dtensor.cache import WorldCache
+
 __all__ = ["group_for", "groups_created", "register_groups"]
 
 _Key = tuple[tuple[int, ...], str | None]
-# value: the group if this process is a member, else None (created, but not ours)
-_CACHE: dict[_Key, ProcessGroup | None] = {}
+# value: the group if this process is a member, else None (created, but not ours); after
+# destroy_process_group and a new init_process_group, groups of the old world are never
+# handed out (the cache is world-scoped)
+_CACHE: WorldCache[_Key, ProcessGroup | None] = WorldCache()
 _CREATED = 0
-# the default group the cache belongs to: after destroy_process_group and a new
-# init_process_group, groups of the old world are never handed out
-_WORLD: object = None
-
-
-def _check_world() -> None:
-    global _WORLD
-    if _WORLD is not dist.group.WORLD:
-        _CACHE.clear()
-        _WORLD = dist.group.WORLD
 
 
 def _key(ranks: Sequence[int], backend: str | None) -> _Key:
-    _check_world()
     return (tuple(sorted(int(r) for r in ranks)), backend)
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.dtensor import groups as _groups
+from hyper_parallel.dtensor.cache import WorldCache
 from hyper_parallel.dtensor.layout import Layout, LayoutError
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 _FORCE_FALLBACK = os.environ.get("HP_DTENSOR_FORCE_FALLBACK", "") not in ("", "0")
-_INIT_CACHE: dict[tuple[Any, ...], DeviceMesh] = {}
+_INIT_CACHE: WorldCache[tuple[Any, ...], DeviceMesh] = WorldCache()  # a new world: new meshes
 
 
 def native_path_available() -> bool:
@@ -226,7 +227,7 @@ def init_device_mesh(
     world = dist.get_world_size()
     if math.prod(shape) != world:
         raise ValueError(f"mesh shape {shape} has {math.prod(shape)} ranks, world size is {world}")
-    key = (device_type, shape, names, dist.group.WORLD)  # a new world: new meshes
+    key = (device_type, shape, names)
     if key in _INIT_CACHE:
         return _INIT_CACHE[key]
     layout = Layout.root(shape)
