@@ -17,6 +17,7 @@ from hyper_parallel.context_parallel.collectives import (
     ulysses_head_to_seq,
     ulysses_seq_to_head,
 )
+from hyper_parallel.context_parallel.families import SUPPORTED_MLA_CLASSES
 from hyper_parallel.context_parallel.hybrid import hybrid_attention, hybrid_meshes
 from hyper_parallel.context_parallel.mla import MLAConfig, MultiHeadLatentAttention
 from hyper_parallel.context_parallel.parallel_mla import (
@@ -36,6 +37,7 @@ from hyper_parallel.context_parallel.recorder import (
 
 __all__ = [
     "STRATEGIES",
+    "SUPPORTED_MLA_CLASSES",
     "CollectiveHandle",
     "ContextParallelMLA",
     "Event",

@@ -27,7 +27,14 @@ from torch import Tensor, nn
 
 from hyper_parallel.context_parallel.mla import MLAConfig, MultiHeadLatentAttention, Rope
 
-__all__ = ["FAMILIES", "MLACall", "MLAFamily", "find_family", "supported_classes"]
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED_MLA_CLASSES",
+    "MLACall",
+    "MLAFamily",
+    "find_family",
+    "supported_classes",
+]
 
 _PROJECTIONS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 _HF_SIZES = (
@@ -174,10 +181,12 @@ class _KimiLinear(MLAFamily):
 
 
 FAMILIES: tuple[MLAFamily, ...] = (_OwnMLA(), _DeepseekV3(), _KimiLinear())
+# the class names parallelize_mla recognises (the one table; hp-models reads it)
+SUPPORTED_MLA_CLASSES: tuple[str, ...] = tuple(f.class_name for f in FAMILIES)
 
 
 def supported_classes() -> list[str]:
-    return [f.class_name for f in FAMILIES]
+    return list(SUPPORTED_MLA_CLASSES)
 
 
 def find_family(module: Any) -> MLAFamily:

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from hyper_parallel.context_parallel import SUPPORTED_MLA_CLASSES
+from hyper_parallel.kda import SUPPORTED_KDA_CLASSES
+
 __all__ = ["FAMILIES", "BlockKinds", "ModelFamily", "family_of", "supported_classes"]
 
 
@@ -61,6 +64,25 @@ FAMILIES: tuple[ModelFamily, ...] = (
         ),
     ),
 )
+
+
+def _check_against_the_layers() -> None:
+    """Every attention class a family names is one its layer supports (the layers own those
+    tables): a family edited without its layer fails at import, not in a user's run."""
+    for f in FAMILIES:
+        for role, names, supported in (
+            ("mla", f.blocks.mla, SUPPORTED_MLA_CLASSES),
+            ("kda", f.blocks.kda, SUPPORTED_KDA_CLASSES),
+        ):
+            unknown = sorted(set(names) - set(supported))
+            if unknown:
+                raise ImportError(
+                    f"hp-models family {f.name}: {role} classes {unknown} are not supported by "
+                    f"the installed layer (it supports {list(supported)})"
+                )
+
+
+_check_against_the_layers()
 
 
 def supported_classes() -> list[str]:

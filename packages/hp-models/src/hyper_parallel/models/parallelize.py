@@ -26,10 +26,10 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hyper_parallel.context_parallel import parallelize_mla
+from hyper_parallel.context_parallel import STRATEGIES, parallelize_mla
 from hyper_parallel.dtensor import DeviceMesh, check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
-from hyper_parallel.kda import parallelize_kda
+from hyper_parallel.kda import PROTOCOLS, parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
 from hyper_parallel.models.checkpoint import install_save_pretrained
 from hyper_parallel.models.documents import with_documents
@@ -40,8 +40,9 @@ from hyper_parallel.models.mesh import SequenceMesh, check_mesh, cp_tp, sequence
 
 __all__ = ["ParallelPlan", "parallelize_model"]
 
-_MLA_STRATEGIES = ("expanded", "latent")
-_KDA_PROTOCOLS = ("auto", "p2p", "allgather", "grouped")
+# the layers' own tables (each fact written once, in the layer that owns it)
+_MLA_STRATEGIES = STRATEGIES
+_KDA_PROTOCOLS = PROTOCOLS
 GRAD_REDUCTIONS = ("auto", "fsdp", "allreduce")
 
 
