@@ -40,10 +40,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from tqdm import tqdm
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
+from hyper_parallel.dtensor.devices import BACKENDS, bind_device
 from hyper_parallel.models import clip_grad_norm_, parallelize_model, shard_batch, sync_gradients
 from hyper_parallel.models.testing import tiny_model
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 LAYERS = {"kimi-linear": "kda,mla,kda,mla", "deepseek-v3": "mla,mla,mla,mla"}
 AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -127,10 +127,7 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
     # hp-mc2's MLP returns a view of its reduce-scatter output; the stock decoder layers add it
     # out of place, so FSDP2's warning about in-place ops on it does not apply
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    if args.device == "npu":
-        import torch_npu  # noqa: F401  (from the NPU image; never pip-installed)
-    if args.device != "cpu":
-        getattr(torch, args.device).set_device(int(os.environ["LOCAL_RANK"]))
+    bind_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))  # torch_npu on npu
     dist.init_process_group(BACKENDS[args.device], timeout=timedelta(seconds=args.timeout))
     rank, out = dist.get_rank(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

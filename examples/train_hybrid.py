@@ -50,6 +50,8 @@ import train
 from _meter import LayerMeter
 from _trace_plot import plot_trace
 
+from hyper_parallel.dtensor.devices import bind_device
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -301,8 +303,7 @@ def train_serial(t: argparse.Namespace) -> tuple[list[float], list[float]]:
     """The same model, data and step as train.py, unparallelised, in this process."""
     from tqdm import tqdm
 
-    if t.device != "cpu":
-        getattr(torch, t.device).set_device(0)
+    bind_device(t.device, 0)
     model = train.build_model(t).to(t.device)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
     losses: list[float] = []

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
+from hyper_parallel.dtensor.devices import BACKENDS, bind_device, process_group_backend
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 TIMEOUT = 240.0  # one distributed run of up to 4 ranks on 2 shared cores
 
 
@@ -30,7 +30,7 @@ def device_type() -> str:
 
 
 def backend() -> str:
-    return BACKENDS[device_type()]
+    return process_group_backend(device_type())
 
 
 def dtype() -> torch.dtype:
@@ -52,13 +52,11 @@ def rank_device() -> torch.device:
     if dev == "cpu":
         return torch.device("cpu")
     if dev == "npu":
-        import torch_npu  # noqa: F401  (registers the npu device; only on NPU images)
-    module = getattr(torch, dev)
-    index = dist.get_rank() % module.device_count()
-    module.set_device(index)
+        import torch_npu  # noqa: F401  (device_count below needs the npu device registered)
+    device = bind_device(dev, dist.get_rank() % getattr(torch, dev).device_count())
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
-    return torch.device(dev, index)
+    return device
 
 
 def build_mesh(cp: int, tp: int) -> Any:

@@ -150,3 +150,14 @@ def test_the_byte_rule():
     assert comm.link_bytes("all_reduce", 400, 1) == comm.link_bytes("send", 400, 1) == 0
     with pytest.raises(ValueError, match="unknown collective 'gossip'"):
         comm.link_bytes("gossip", 1, 2)
+
+
+def test_device_backends_are_written_once():
+    from hyper_parallel.dtensor.devices import BACKENDS, bind_device, process_group_backend
+
+    assert [process_group_backend(d) for d in ("cpu", "cuda", "npu")] == ["gloo", "nccl", "hccl"]
+    assert sorted(BACKENDS) == ["cpu", "cuda", "npu"]
+    assert bind_device("cpu", 3) == torch.device("cpu")
+    for bad in ("tpu", "CPU"):
+        with pytest.raises(ValueError, match=r"device must be one of \['cpu', 'cuda', 'npu'\]"):
+            bind_device(bad, 0)

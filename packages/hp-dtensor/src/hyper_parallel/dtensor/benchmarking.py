@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hyper_parallel.dtensor.devices import BACKENDS, bind_device, process_group_backend
 from hyper_parallel.dtensor.simlink import LinkStats, simulated_link
 
 __all__ = [
@@ -52,7 +53,7 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_BACKENDS = BACKENDS
 
 
 def bench_arguments(description: str | None) -> argparse.ArgumentParser:
@@ -71,15 +72,10 @@ def setup_torchrun_process(device: str) -> str:
     and initialise the process group with the device's backend (gloo / NCCL / HCCL).
     Returns the rank's device string (``"cuda:1"``, or ``"cpu"``)."""
     kind = torch.device(device).type
-    if kind not in _BACKENDS:
-        raise ValueError(f"device must be one of {sorted(_BACKENDS)}, got {device!r}")
-    if kind == "npu":
-        import torch_npu  # noqa: F401  (registers the npu device and HCCL)
+    backend = process_group_backend(kind)
     if kind != "cpu":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        getattr(torch, kind).set_device(local)
-        device = f"{kind}:{local}"
-    dist.init_process_group(_BACKENDS[kind])
+        device = str(bind_device(kind, int(os.environ.get("LOCAL_RANK", "0"))))
+    dist.init_process_group(backend)
     return device
 
 
