@@ -93,9 +93,9 @@ def apply_fsdp(
         raise RuntimeError("this torch's FSDP2 cannot sum gradients with unused parameters")
     kw = {} if mp_policy is None else {"mp_policy": mp_policy}
     wrapped = []
-    for path, role in roles.items():
-        if role == "dense_mlp":
-            wrapped.append(fully_shard(base.get_submodule(path), mesh=sm.fsdp_mlp_mesh, **kw))
+    for path, role in roles.items():  # blocks reduced over another mesh than the layer's
+        if sm.fsdp_mesh_for(role) is not sm.fsdp_mesh:
+            wrapped.append(fully_shard(base.get_submodule(path), mesh=sm.fsdp_mesh_for(role), **kw))
     for layer in base.get_submodule("layers").children():
         wrapped.append(fully_shard(layer, mesh=sm.fsdp_mesh, **kw))
     wrapped.append(fully_shard(model, mesh=sm.fsdp_mesh, **kw))

@@ -10,7 +10,8 @@ tokens' share of the loss:
 - a tensor-parallel parameter of an MLP (a DTensor over ``tp``, from hp-mc2: the weight shards
   and the replicated down-projection bias alike) already holds the sum over its ``tp`` group,
   because hp-mc2's backward works on the gradient gathered over ``tp`` (the whole ``cp``
-  chunk): summed over ``cp`` only.
+  chunk): summed over ``cp`` only. Which parameters these are is ``mesh.reduction_scope`` of
+  the block's role, the rule FSDP2's meshes follow too (``SequenceMesh.fsdp_mesh_for``).
 
 On a (dp, cp, tp) mesh both sums also run over ``dp`` (the other replicas' rows): whole
 parameters over every rank, tp parameters over ``cp`` then ``dp``.
@@ -33,7 +34,8 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
-from hyper_parallel.models.mesh import SequenceMesh
+from hyper_parallel.models.families import family_of
+from hyper_parallel.models.mesh import SequenceMesh, reduction_scope
 
 __all__ = ["sync_gradients"]
 
@@ -42,8 +44,15 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _group_key(p: Tensor) -> str:
-    return "cp" if isinstance(p, DTensor) else "world"
+def _scopes(model: nn.Module, roles: dict[str, str]) -> dict[int, str]:
+    """``id(parameter) -> reduction_scope`` of its block's role (the rule FSDP2's meshes
+    follow too); parameters outside every role's block are ``"world"``."""
+    _, base = family_of(model)
+    scopes: dict[int, str] = {}
+    for path, role in roles.items():
+        for p in base.get_submodule(path).parameters():
+            scopes[id(p)] = reduction_scope(role)
+    return scopes
 
 
 def sync_gradients(model: nn.Module) -> None:
@@ -83,6 +92,7 @@ def sync_gradients(model: nn.Module) -> None:
         "world": [everyone],
         "cp": [sm.cp] if sm.dp is None else [sm.cp, sm.dp],
     }
+    scopes = _scopes(model, plan.roles)
     buckets: dict[tuple[str, torch.dtype, torch.device], list[Tensor]] = {}
     for p, flag in zip(params, has.tolist()):
         if not flag:
@@ -90,7 +100,7 @@ def sync_gradients(model: nn.Module) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         g = _local(p.grad)
-        key = (_group_key(p), g.dtype, g.device)
+        key = (scopes.get(id(p), "world"), g.dtype, g.device)
         buckets.setdefault(key, []).append(g)
     for (name, _, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         meshes = [m for m in groups[name] if m.size() > 1]
