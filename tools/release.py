@@ -74,18 +74,53 @@ class Release:
     commit: str
 
 
+def _blobs(specs: list[str]) -> list[str | None]:
+    """The text of each ``commit:path`` in ``specs``, read by one ``git cat-file --batch``
+    (one git process instead of one per commit); None where git has no such object."""
+    if not specs:
+        return []
+    proc = subprocess.run(["git", "cat-file", "--batch"], cwd=ROOT, capture_output=True,
+                          input=("\n".join(specs) + "\n").encode(), timeout=120)  # fmt: skip
+    if proc.returncode != 0:
+        raise ReleaseError(f"git cat-file --batch: {proc.stderr.decode().strip()}")
+    out, pos, texts = proc.stdout, 0, []
+    for _ in specs:
+        end = out.index(b"\n", pos)
+        header = out[pos:end].split()  # "<sha> <type> <size>", or "<spec> missing"
+        pos = end + 1
+        if len(header) != 3 or not header[2].isdigit():
+            texts.append(None)
+            continue
+        size = int(header[2])
+        texts.append(out[pos : pos + size].decode("utf-8", errors="replace"))
+        pos += size + 1  # the contents, then a newline
+    return texts
+
+
+# releases() by (dist, HEAD): one check asks for a package's releases many times; history
+# up to a given HEAD never changes, and a new commit is a new key
+_RELEASES: dict[tuple[str, str], dict[str, Release]] = {}
+
+
 def releases(pkg: pkgs.Package) -> dict[str, Release]:
     """Every release of ``pkg`` in history: version -> the first commit that says it."""
+    head = git("rev-parse", "HEAD").strip()
+    if (pkg.dist, head) in _RELEASES:
+        return dict(_RELEASES[pkg.dist, head])
     found: dict[str, Release] = {}
     path = rel(pkg.version_file)
-    for commit in git("log", "--reverse", "--format=%H", "HEAD", "--", path).split():
+    commits = git("log", "--reverse", "--format=%H", head, "--", path).split()
+    for commit, text in zip(commits, _blobs([f"{c}:{path}" for c in commits])):
+        if text is None:
+            continue
         try:
-            version = pkgs.parse_version_file(git("show", f"{commit}:{path}"), pkg.dist)
-        except (ReleaseError, ValueError):
+            version = pkgs.parse_version_file(text, pkg.dist)
+        except ValueError:
             continue
         if not pkgs.is_dev(version) and version not in found:
             found[version] = Release(pkg.dist, version, commit)
-    return found
+    _RELEASES[pkg.dist, head] = found
+    return dict(found)
 
 
 def spec_bounds(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
