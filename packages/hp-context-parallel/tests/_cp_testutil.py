@@ -319,20 +319,21 @@ def rank_errors() -> dict[str, Any]:
             m
         )
 
-        # a failure half-way through the rewrite rolls back the steps already applied
-        real_swap = PM._swap_class
+        # a failure inside the rewrite (hp-dtensor's install, whose own rollback its tests
+        # check) leaves the module as it was
+        real_install = PM.install_forward
 
-        def failing_swap(module, cls):
+        def failing_install(*args, **kwargs):
             raise RuntimeError("injected failure")
 
-        PM._swap_class = failing_swap
+        PM.install_forward = failing_install
         try:
             parallelize_mla(m, mesh)
             report["rollback"] = ("no error", "")
         except RuntimeError as e:
             report["rollback"] = ("RuntimeError", str(e))
         finally:
-            PM._swap_class = real_swap
+            PM.install_forward = real_install
         report["rolled_back"] = _same(before, _module_snapshot(m)) and not is_context_parallel(m)
 
         parallelize_mla(m, mesh, strategy="latent")

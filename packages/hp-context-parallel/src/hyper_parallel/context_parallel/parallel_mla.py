@@ -60,6 +60,12 @@ from hyper_parallel.context_parallel.mla import (
 )
 from hyper_parallel.context_parallel.transport import BLOCK_OWNER, Group, resolve_group
 from hyper_parallel.dtensor import DeviceMesh
+from hyper_parallel.dtensor.rewrite import (
+    install_forward,
+    is_parallelized,
+    parallel_state,
+    uninstall_forward,
+)
 
 __all__ = [
     "STRATEGIES",
@@ -72,7 +78,7 @@ __all__ = [
 
 STRATEGIES = ("expanded", "latent")
 _M = TypeVar("_M", bound=nn.Module)
-_STATE = "_hp_cp_state"
+LAYER = "parallelize_mla"  # the name this rewrite is installed under (hp-dtensor's rewrite)
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,6 @@ class _CPState:
     group: Group
     strategy: str
     overlap: bool
-    original_class: type
     family: MLAFamily
     dims: MLAConfig
     head_groups: int | str = "auto"
@@ -94,15 +99,11 @@ class _CPState:
     def rank(self) -> int:
         return self.group.rank
 
-    def __deepcopy__(self, memo: dict) -> _CPState:
-        # a deep copy of a rewritten block is rewritten too, on the same mesh and group
-        return self
-
 
 # ---- the schedule -------------------------------------------------------------------------
 def _run(m: Any, call: MLACall) -> Tensor:
     """The rewritten forward of every family: ``call.hidden_states [B, S/P, D] -> [B, S/P, D]``."""
-    st: _CPState = getattr(m, _STATE)
+    st: _CPState = parallel_state(m, LAYER)
     c, fam = st.dims, st.family
     options = {
         "strategy": st.strategy,
@@ -272,19 +273,6 @@ def _q_branch(m: Any, c: MLAConfig, x: Tensor, rope: Rope | None) -> Tensor:
 
 
 # ---- the transactional rewrite ------------------------------------------------------------
-_CLASSES: dict[type, type] = {}
-
-
-def _cp_class(cls: type, family: MLAFamily) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(
-            f"ContextParallel{cls.__name__}",
-            (cls,),
-            {"forward": family.forward(_run), "__module__": cls.__module__, "__doc__": cls.__doc__},
-        )
-    return _CLASSES[cls]
-
-
 def _check_weights(module: Any, c: MLAConfig) -> None:
     """The projections must have the shapes the schedule slices (a fork that changed them is
     rejected here rather than computing something else)."""
@@ -309,7 +297,7 @@ def _check_weights(module: Any, c: MLAConfig) -> None:
 
 
 def _validate(module: Any, cp_mesh: Any, strategy: Any, overlap: Any, head_groups: Any) -> _CPState:
-    if hasattr(module, _STATE):
+    if is_parallelized(module, LAYER):
         raise RuntimeError(
             "parallelize_mla was already applied to this module; call unparallelize_mla first"
         )
@@ -328,7 +316,7 @@ def _validate(module: Any, cp_mesh: Any, strategy: Any, overlap: Any, head_group
     if dims.num_heads % g.size:
         raise ValueError(f"num_heads ({dims.num_heads}) is not divisible by the CP size {g.size}")
     _check_head_groups(head_groups, dims.num_heads // g.size, overlap)
-    return _CPState(cp_mesh, g, strategy, overlap, type(module), family, dims, head_groups)
+    return _CPState(cp_mesh, g, strategy, overlap, family, dims, head_groups)
 
 
 def _check_head_groups(head_groups: Any, heads_per_rank: int, overlap: bool) -> None:
@@ -345,25 +333,6 @@ def _check_head_groups(head_groups: Any, heads_per_rank: int, overlap: bool) -> 
         raise ValueError(
             f"head_groups={head_groups} pipelines overlapped exchanges; it needs overlap=True"
         )
-
-
-def _install(module: nn.Module, state: _CPState) -> list[Any]:
-    """Apply the rewrite step by step; returns the undo actions (in application order)."""
-    undo: list[Any] = []
-    try:
-        setattr(module, _STATE, state)
-        undo.append(lambda: delattr(module, _STATE))
-        _swap_class(module, _cp_class(state.original_class, state.family))
-        undo.append(lambda: _swap_class(module, state.original_class))
-    except BaseException:
-        for u in reversed(undo):
-            u()
-        raise
-    return undo
-
-
-def _swap_class(module: nn.Module, cls: type) -> None:
-    module.__class__ = cls
 
 
 def parallelize_mla(
@@ -433,30 +402,31 @@ def parallelize_mla(
     dividing ``num_heads / P``, or above 1 with ``overlap=False``).
     """
     state = _validate(module, cp_mesh, strategy, overlap, head_groups)
-    _install(module, state)
+    family = state.family
+    install_forward(
+        module, LAYER, state, lambda _cls: family.forward(_run), prefix="ContextParallel"
+    )
     return module
 
 
 def unparallelize_mla(module: _M) -> _M:
     """Undo :func:`parallelize_mla` (``RuntimeError`` if it was not applied): the module gets
     its own class and forward back; its Parameters were never replaced."""
-    state = getattr(module, _STATE, None)
-    if state is None:
+    if not is_parallelized(module, LAYER):
         raise RuntimeError("module is not context-parallel")
-    _swap_class(module, state.original_class)
-    delattr(module, _STATE)
+    uninstall_forward(module, LAYER)
     return module
 
 
 def is_context_parallel(module: nn.Module) -> bool:
-    return hasattr(module, _STATE)
+    return is_parallelized(module, LAYER)
 
 
 def mla_head_groups(module: nn.Module, hidden_states: Tensor) -> HeadGroups:
     """The head-group count a forward of the rewritten ``module`` on this rank's
     ``hidden_states [B, S/P, D]`` uses, with the reason (``RuntimeError`` if ``module`` is
     not context-parallel). Computes nothing and communicates nothing."""
-    state = getattr(module, _STATE, None)
+    state = parallel_state(module, LAYER)
     if state is None:
         raise RuntimeError("module is not context-parallel")
     return _head_groups(state, hidden_states, state.dims)

@@ -18,6 +18,7 @@ from .packing import PackedBlock, packed_block
 from .parallelize import (
     SUPPORTED_KDA_CLASSES,
     ContextParallelKDA,
+    is_kda_parallel,
     parallelize_kda,
     unparallelize_kda,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "DEFAULT_COST_PARAMS",
     "PROTOCOLS",
     "SUPPORTED_KDA_CLASSES",
+    "is_kda_parallel",
     "ContextParallelKDA",
     "PackedBlock",
     "PendingExchange",

@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.amp import without_autocast
+from hyper_parallel.dtensor.cache import WorldCache
 from hyper_parallel.dtensor.consistency import consistency_enabled
 
 from ._checks import check_chunk_size, check_kernel_dims, check_qkv
@@ -35,12 +35,11 @@ from .packing import PackedBlock, packed_block
 
 __all__ = ["kda_context_parallel"]
 
-_EXECUTORS: dict[tuple[Any, ...], StateExchange] = {}
-# The default group the cached executors belong to. DeviceMesh compares by structure, so after
-# ``destroy_process_group`` and a new ``init_process_group`` an equal mesh of the new world
-# would find the executor bound to the destroyed groups: a new world empties the cache (as
-# hp-dtensor's group cache does), and the key holds the mesh's own group object as well.
-_WORLD: object = None
+# DeviceMesh compares by structure, so after ``destroy_process_group`` and a new
+# ``init_process_group`` an equal mesh of the new world would find the executor bound to the
+# destroyed groups: the cache is world-scoped (hp-dtensor's ``WorldCache``: a new world empties
+# it), and the key holds the mesh's own group object as well.
+_EXECUTORS: WorldCache[tuple[Any, ...], StateExchange] = WorldCache()
 # Overlap the state exchange with the block's state-independent output terms (forward and
 # backward). False runs the earlier schedule (every local term, then the exchange); the
 # results are bitwise the same (the benchmark compares the two schedules' times).
@@ -51,18 +50,14 @@ def executor_for(
     mesh: Any, protocol: str, group_size: int | None, backend: str, params: CostParams | None
 ) -> StateExchange:
     """The cached :func:`build_state_exchange` executor for these arguments in this world."""
-    global _WORLD
-    if _WORLD is not dist.group.WORLD:
-        _EXECUTORS.clear()
-        _WORLD = dist.group.WORLD
     group = mesh.get_group(0) if getattr(mesh, "ndim", None) == 1 else None
     key = (mesh, group, protocol, group_size, backend, params)
-    ex = _EXECUTORS.get(key)
-    if ex is None:
-        ex = _EXECUTORS[key] = build_state_exchange(
+    return _EXECUTORS.get_or_create(
+        key,
+        lambda: build_state_exchange(
             mesh, protocol, group_size, backend=backend, cost_params=params
-        )
-    return ex
+        ),
+    )
 
 
 def _decision(fn: Any) -> Any:

@@ -33,13 +33,25 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor.rewrite import (
+    install_forward,
+    is_parallelized,
+    parallel_state,
+    uninstall_forward,
+)
 
 from .exchange import PROTOCOLS
 from .halo import start_causal_conv_halo
 from .layer import executor_for, kda_context_parallel
 from .packing import PackedBlock, packed_block
 
-__all__ = ["SUPPORTED_KDA_CLASSES", "ContextParallelKDA", "parallelize_kda", "unparallelize_kda"]
+__all__ = [
+    "SUPPORTED_KDA_CLASSES",
+    "ContextParallelKDA",
+    "is_kda_parallel",
+    "parallelize_kda",
+    "unparallelize_kda",
+]
 
 SUPPORTED_KDA_CLASSES = ("KimiLinearDeltaAttention",)
 """Class names :func:`parallelize_kda` accepts (Hugging Face transformers' Kimi-Linear)."""
@@ -47,7 +59,7 @@ SUPPORTED_KDA_CLASSES = ("KimiLinearDeltaAttention",)
 _ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj",
                "g_b_proj", "o_norm", "o_proj", "num_heads", "head_dim", "conv_kernel_size",
                "activation", "hidden_size")  # fmt: skip
-_STATE = "_hp_kda_state"
+LAYER = "parallelize_kda"  # the name this rewrite is installed under (hp-dtensor's rewrite)
 
 # The activations transformers' ACT2FN gives these names, as plain torch functions.
 _ACTIVATIONS: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -68,11 +80,8 @@ class _KDAState:
     mesh: Any
     protocol: str
     group_size: int | None
-    original_class: type
+    layer_class: str
     activation: Callable[[torch.Tensor], torch.Tensor]
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _KDAState:
-        return self  # a deep copy of a rewritten layer is rewritten too, on the same mesh
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -113,13 +122,13 @@ def _cp_forward(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    state: _KDAState = getattr(self, _STATE)
+    state: _KDAState = parallel_state(self, LAYER)
     _check_call(self, hidden_states, cache_params, attention_mask, kwargs)
     x = hidden_states
     B, T, _ = x.shape
     if consistency_enabled():  # T is this rank's block length: blocks may differ
         check_consistent(
-            state.mesh.get_group(0), f"parallelize_kda ({state.original_class.__name__}) forward",
+            state.mesh.get_group(0), f"parallelize_kda ({state.layer_class}) forward",
             hidden_states_B_D=(B, x.shape[-1]), dtype=str(x.dtype), device=x.device.type,
             halo_width=self.conv_kernel_size - 1, protocol=state.protocol,
             group_size=state.group_size, layer=_layer_signature(self), training=self.training,
@@ -184,33 +193,25 @@ def _layer_signature(module: Any) -> tuple[Any, ...]:
     )
 
 
-_CLASSES: dict[type, type] = {}
+def _make_forward(cls: type) -> Callable[..., torch.Tensor]:
+    """The rewritten forward of a stock KDA class (its signature and doc kept)."""
 
+    @functools.wraps(cls.forward)  # type: ignore[attr-defined]  # the stock signature and doc
+    def forward(
+        self: Any,
+        hidden_states: torch.Tensor,
+        cache_params: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        return _cp_forward(self, hidden_states, cache_params, attention_mask, **kwargs)
 
-def _cp_class(cls: type) -> type:
-    if cls not in _CLASSES:
-
-        @functools.wraps(cls.forward)  # type: ignore[attr-defined]  # the stock signature and doc
-        def forward(
-            self: Any,
-            hidden_states: torch.Tensor,
-            cache_params: Any = None,
-            attention_mask: torch.Tensor | None = None,
-            **kwargs: Any,
-        ) -> torch.Tensor:
-            return _cp_forward(self, hidden_states, cache_params, attention_mask, **kwargs)
-
-        _CLASSES[cls] = type(
-            f"ContextParallel{cls.__name__}",
-            (cls,),
-            {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__},
-        )
-    return _CLASSES[cls]
+    return forward
 
 
 def _validate(layer: nn.Module, cp_mesh: Any, protocol: Any, group_size: Any) -> _KDAState:
     module: Any = layer  # attributes checked below, by name
-    if hasattr(module, _STATE):
+    if is_parallelized(module, LAYER):
         raise RuntimeError(
             "parallelize_kda was already applied to this module; call unparallelize_kda first"
         )
@@ -239,7 +240,7 @@ def _validate(layer: nn.Module, cp_mesh: Any, protocol: Any, group_size: Any) ->
             f"parallelize_kda: conv1d weight {tuple(weight.shape)} is not the depthwise "
             f"[{channels}, 1, {module.conv_kernel_size}] of q/k/v"
         )
-    return _KDAState(cp_mesh, protocol, group_size, type(module), _ACTIVATIONS[module.activation])
+    return _KDAState(cp_mesh, protocol, group_size, name, _ACTIVATIONS[module.activation])
 
 
 def parallelize_kda(
@@ -284,19 +285,21 @@ def parallelize_kda(
             module=type(module).__name__, layer=_layer_signature(module), cp_size=cp_mesh.size(),
         )  # fmt: skip
     executor_for(cp_mesh, protocol, group_size, "auto", None)  # checks, then builds
-    setattr(module, _STATE, state)
-    module.__class__ = _cp_class(state.original_class)
+    install_forward(module, LAYER, state, _make_forward, prefix="ContextParallel")
     return module
 
 
 def unparallelize_kda(module: nn.Module) -> nn.Module:
     """Undo :func:`parallelize_kda` (``RuntimeError`` if it was not applied)."""
-    state = getattr(module, _STATE, None)
-    if state is None:
+    if not is_parallelized(module, LAYER):
         raise RuntimeError("module is not context-parallel (parallelize_kda was not applied)")
-    module.__class__ = state.original_class
-    delattr(module, _STATE)
+    uninstall_forward(module, LAYER)
     return module
+
+
+def is_kda_parallel(module: nn.Module) -> bool:
+    """Whether :func:`parallelize_kda` rewrote ``module``."""
+    return is_parallelized(module, LAYER)
 
 
 class ContextParallelKDA(ParallelStyle):
