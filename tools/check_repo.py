@@ -8,6 +8,11 @@
 - One-way dependencies: the import-linter layers contract in pyproject.toml (enforced by
   ``lint-imports``) names every package, at the level its ``hp-*`` requirements give it.
 - The README's package table has a row per package; its test command is what ``.ci/run`` runs.
+- One communication runtime: a layer (a package that requires only hp-dtensor) starts its
+  collectives through ``hyper_parallel.dtensor.comm``, never by calling a ``torch.distributed``
+  collective (or hp-dtensor's raw ``all_gather_single`` / ``reduce_scatter_single``) itself.
+  The modules not yet moved onto it are listed in :data:`NOT_YET_ON_COMM` with what is left;
+  an entry whose module no longer calls one is reported too, so the list only shrinks.
 - No tracked file points outside the repository (the development checkout's shared folder, its
   design notes) or at a ``spec-<name>.md`` document the repository does not contain.
 
@@ -28,6 +33,22 @@ ROOT = pkgs.ROOT
 # written so that this file does not match itself
 OUTSIDE_REFS = re.compile(r"\.\./shared\b|\bshared[/]design\b")
 SPEC_DOC = re.compile(r"\bspec-[A-Za-z0-9_.-]*[A-Za-z0-9_]\.md\b")
+_COLLECTIVES = (
+    "all_reduce|all_gather|all_gather_into_tensor|all_gather_object|reduce_scatter|"
+    "reduce_scatter_tensor|all_to_all|all_to_all_single|broadcast|send|recv|isend|irecv|"
+    "batch_isend_irecv|reduce|gather|scatter|barrier"
+)
+DIRECT_COLLECTIVE = re.compile(
+    rf"\b(?:dist|torch\.distributed)\.(?:{_COLLECTIVES})\(|\b(?:all_gather_single|reduce_scatter_single)\("
+)
+# layer modules that still call collectives directly: path -> what is left to move onto comm
+NOT_YET_ON_COMM: dict[str, str] = {
+    "packages/hp-mc2/src/hyper_parallel/mc2/_collectives.py": "the chunked gathers and scatters",
+    "packages/hp-mc2/src/hyper_parallel/mc2/reference.py": "the blocking twin's all-reduce",
+    "packages/hp-kda-kernels/src/hyper_parallel/kda/exchange.py": "the state exchange protocols",
+    "packages/hp-kda-kernels/src/hyper_parallel/kda/halo.py": "the convolution halo",
+    "packages/hp-kda-kernels/src/hyper_parallel/kda/packing.py": "the block-length gather",
+}
 
 
 def check_namespace() -> list[str]:
@@ -153,6 +174,43 @@ def check_references(files: list[str]) -> list[str]:
     return problems
 
 
+def check_communication(sources: dict[str, str]) -> list[str]:
+    """``sources``: layer module path -> text. A direct collective call outside
+    :data:`NOT_YET_ON_COMM`, or an entry there that calls none, is a problem."""
+    problems: list[str] = []
+    for rel, text in sorted(sources.items()):
+        hits = [
+            (no, line.strip())
+            for no, line in enumerate(text.splitlines(), 1)
+            if DIRECT_COLLECTIVE.search(line)
+            and not line.lstrip().startswith(("#", "from ", "import "))
+        ]
+        if hits and rel not in NOT_YET_ON_COMM:
+            no, line = hits[0]
+            problems.append(
+                f"{rel}:{no}: calls a collective directly ({line!r}); start it through "
+                "hyper_parallel.dtensor.comm (start_* -> Work) so it is recorded, profiled and "
+                "counted like every other layer's"
+            )
+        elif not hits and rel in NOT_YET_ON_COMM:
+            problems.append(
+                f"{rel}: no direct collective is left; remove it from NOT_YET_ON_COMM in "
+                "tools/check_repo.py"
+            )
+    return problems
+
+
+def layer_sources() -> dict[str, str]:
+    """Every module of every layer (a package whose hp-* requirements are hp-dtensor only)."""
+    out: dict[str, str] = {}
+    for pkg in pkgs.packages():
+        if pkg.deps != ("hp-dtensor",):
+            continue
+        for path in sorted(pkg.code.rglob("*.py")):
+            out[str(path.relative_to(ROOT))] = path.read_text()
+    return out
+
+
 def check() -> list[str]:
     known = pkgs.by_dist()
     problems = check_namespace()
@@ -161,6 +219,7 @@ def check() -> list[str]:
     problems += check_layering()
     problems += check_readme()
     problems += check_references(tracked_files())
+    problems += check_communication(layer_sources())
     return problems
 
 
