@@ -24,7 +24,8 @@
    schedule (every local term, then the exchange), per protocol, under the same modeled link
    (``kda_layer_link/P<P>/<protocol>/overlapped_vs_serial``) and on the plain gloo link
    (``kda_layer_overlap/P<P>/...``), with the time each step spends inside the exchange's
-   launches and waits (``exposed_exchange_s``: what compute did not hide). ``--link-only``
+   launches and waits (``exposed_exchange_s``: what compute did not hide) and between them
+   (``compute_under_exchange_s``: the compute placed under the exchange). ``--link-only``
    runs sections 6 and 7 alone.
 
     python packages/hp-kda-kernels/benchmarks/bench_kda.py --out bench-results/kda.json [--quick]
@@ -384,8 +385,8 @@ def bench_layer_overlap(cfg: dict[str, Any], device: torch.device) -> list[dict[
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         t_link[name] = float(t[0])
     with simulated_link(latency, bandwidth):
-        exposed_link = _exposed_exchange(cases, repeats)
-    exposed_plain = _exposed_exchange(cases, repeats)
+        exposed_link, under_link = _exposed_exchange(cases, repeats)
+    exposed_plain, under_plain = _exposed_exchange(cases, repeats)
     shapes = {"B": B, "T": T, "H": H, "K": K, "V": V, "dtype": "fp32", "P": P, "chunk_size": 64}
     records = []
     for name in variants:
@@ -403,6 +404,7 @@ def bench_layer_overlap(cfg: dict[str, Any], device: torch.device) -> list[dict[
                 direction="fwd+bwd",
                 exposed_exchange_s=exposed_link[f"{name}/overlapped"],
                 exposed_exchange_serial_s=exposed_link[f"{name}/serial"],
+                compute_under_exchange_s=under_link[f"{name}/overlapped"],
                 **shapes,
             )
         )
@@ -416,6 +418,7 @@ def bench_layer_overlap(cfg: dict[str, Any], device: torch.device) -> list[dict[
                 direction="fwd+bwd",
                 exposed_exchange_s=exposed_plain[f"{name}/overlapped"],
                 exposed_exchange_serial_s=exposed_plain[f"{name}/serial"],
+                compute_under_exchange_s=under_plain[f"{name}/overlapped"],
                 **shapes,
             )
         )
@@ -429,47 +432,65 @@ def bench_layer_overlap(cfg: dict[str, Any], device: torch.device) -> list[dict[
             + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in exposed_link.items())
             + " under the link, "
             + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in exposed_plain.items())
-            + " on gloo"
+            + " on gloo; compute between launch and wait "
+            + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in under_link.items())
+            + " under the link"
         )
     return records
 
 
-def _exposed_exchange(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median over steps of the time a step spends inside the state exchange's launches and
-    waits (forward and backward), the slowest rank's: the communication compute did not hide."""
-    spent = [0.0]
+def _exposed_exchange(
+    cases: dict[str, Callable[[], None]], repeats: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Medians over steps, the slowest rank's: the time a step spends inside the state
+    exchange's launches and waits, forward and backward (the communication compute did not
+    hide), and the time between each launch and its wait (the compute placed under it)."""
+    spent, under, launched = [0.0], [0.0], [None]
     saved = {
         (exchange_mod.StateExchange, "start_forward"): exchange_mod.StateExchange.start_forward,
         (exchange_mod.StateExchange, "start_backward"): exchange_mod.StateExchange.start_backward,
         (exchange_mod.PendingExchange, "wait"): exchange_mod.PendingExchange.wait,
     }
 
-    def timed(original: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(original: Callable[..., Any], is_wait: bool) -> Callable[..., Any]:
         def wrapped(*a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
+            if is_wait and launched[0] is not None:
+                under[0] += t0 - launched[0]
             try:
                 return original(*a, **kw)
             finally:
-                spent[0] += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                spent[0] += t1 - t0
+                launched[0] = None if is_wait else t1
 
         return wrapped
 
     samples: dict[str, list[float]] = {name: [] for name in cases}
+    hidden: dict[str, list[float]] = {name: [] for name in cases}
     for (owner, attr), original in saved.items():
-        setattr(owner, attr, timed(original))
+        setattr(owner, attr, timed(original, attr == "wait"))
     try:
         for _ in range(repeats):
             for name, fn in cases.items():
                 dist.barrier()
-                spent[0] = 0.0
+                spent[0], under[0], launched[0] = 0.0, 0.0, None
                 fn()
-                t = torch.tensor([spent[0]], dtype=torch.float64)
+                t = torch.tensor([spent[0], under[0]], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 samples[name].append(float(t[0]))
+                hidden[name].append(float(t[1]))
     finally:
         for (owner, attr), original in saved.items():
             setattr(owner, attr, original)
-    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+
+    def median(v: list[float]) -> float:
+        return sorted(v)[len(v) // 2]
+
+    return (
+        {name: median(v) for name, v in samples.items()},
+        {name: median(v) for name, v in hidden.items()},
+    )
 
 
 # ---- 3. the layer vs the serial layer ------------------------------------------------------
