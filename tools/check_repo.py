@@ -45,9 +45,6 @@ DIRECT_COLLECTIVE = re.compile(
 NOT_YET_ON_COMM: dict[str, str] = {
     "packages/hp-mc2/src/hyper_parallel/mc2/_collectives.py": "the chunked gathers and scatters",
     "packages/hp-mc2/src/hyper_parallel/mc2/reference.py": "the blocking twin's all-reduce",
-    "packages/hp-kda-kernels/src/hyper_parallel/kda/exchange.py": "the state exchange protocols",
-    "packages/hp-kda-kernels/src/hyper_parallel/kda/halo.py": "the convolution halo",
-    "packages/hp-kda-kernels/src/hyper_parallel/kda/packing.py": "the block-length gather",
 }
 
 

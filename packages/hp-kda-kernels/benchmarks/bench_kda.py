@@ -59,6 +59,7 @@ from hyper_parallel.dtensor.benchmarking import (
     summary_line,
     write_records,
 )
+from hyper_parallel.dtensor.recorder import record_events
 from hyper_parallel.kda import (
     DEFAULT_COST_PARAMS,
     CostParams,
@@ -130,50 +131,32 @@ def _bench_summary(k: Any, v: Any, g: Any, beta: Any, cfg: dict[str, Any]) -> li
 
 # ---- 2. exchange protocols -----------------------------------------------------------------
 class _ByteCounter:
-    """Counts bytes this rank receives while active: at the state exchange's collectives
-    (``bytes``) and at the short-convolution halo's receives (``halo_bytes``)."""
+    """Bytes this rank receives while active, from hp-dtensor's recorder (every KDA collective
+    starts through hp-dtensor's ``comm``): the state exchange's receives, gathers and
+    broadcasts (``bytes``; ``comm.link_bytes``: ``(P−1)/P`` of a gathered buffer, the whole
+    tensor of a receive or broadcast) and the short-convolution halo's receives
+    (``halo_bytes``). Sends are not counted (their bytes are the peer's receives)."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self.halo_bytes = 0
-        self._saved: dict[str, Any] = {}
+        self._ctx: Any = None
 
     def __enter__(self) -> _ByteCounter:
-        me = dist.get_rank()
-        self._saved = {
-            "recv": dist.recv,
-            "irecv": dist.irecv,
-            "broadcast": dist.broadcast,
-            "gather": exchange_mod.all_gather_single,
-        }
-
-        def recv(t: torch.Tensor, *a: Any, **kw: Any) -> Any:
-            self.bytes += t.nbytes
-            return self._saved["recv"](t, *a, **kw)
-
-        def irecv(t: torch.Tensor, *a: Any, **kw: Any) -> Any:  # the halo's, or a chain's end
-            if kw.get("tag") in (exchange_mod._TAG_FWD, exchange_mod._TAG_BWD):
-                self.bytes += t.nbytes
-            else:
-                self.halo_bytes += t.nbytes
-            return self._saved["irecv"](t, *a, **kw)
-
-        def broadcast(t: torch.Tensor, src: int, *a: Any, **kw: Any) -> Any:
-            self.bytes += t.nbytes if src != me else 0
-            return self._saved["broadcast"](t, src, *a, **kw)
-
-        def gather(out: torch.Tensor, inp: torch.Tensor, *a: Any, **kw: Any) -> Any:
-            self.bytes += out.nbytes - inp.nbytes
-            return self._saved["gather"](out, inp, *a, **kw)
-
-        dist.recv, dist.irecv, dist.broadcast = recv, irecv, broadcast  # type: ignore[assignment]
-        exchange_mod.all_gather_single = gather
+        self._ctx = record_events()
+        self._rec = self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        dist.recv, dist.irecv = self._saved["recv"], self._saved["irecv"]
-        dist.broadcast = self._saved["broadcast"]
-        exchange_mod.all_gather_single = self._saved["gather"]
+        self._ctx.__exit__(*exc)
+        for e in self._rec.events:
+            op, _, what = e.name.partition(":")
+            if e.kind != "launch" or op == "send":
+                continue
+            if what in ("halo", "dhalo"):
+                self.halo_bytes += e.nbytes
+            else:
+                self.bytes += e.nbytes
 
 
 def bench_exchange(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:

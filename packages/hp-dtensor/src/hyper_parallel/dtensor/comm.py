@@ -13,9 +13,9 @@ Notation: P ranks in a 1-D group, this rank's index ``rank``.
 - ``start_*`` -> :class:`Work`: :func:`start_all_gather` (``[.., n, ..] -> [.., P·n, ..]``),
   :func:`start_reduce_scatter` (the sum, this rank's block), :func:`start_all_to_all`
   (chunk j of ``split_dim`` to rank j, received chunks concatenated along ``cat_dim``),
-  :func:`start_all_reduce` (in place, sum), :func:`start_send` / :func:`start_recv` (to / from
-  a group rank). A group of one rank, or an empty tensor, communicates nothing and returns a
-  finished ``Work``.
+  :func:`start_all_reduce` (in place, sum), :func:`start_broadcast` (from a group rank, in
+  place), :func:`start_send` / :func:`start_recv` (to / from a group rank, with a tag). A
+  group of one rank, or an empty tensor, communicates nothing and returns a finished ``Work``.
 - ``Work.wait()`` blocks and returns the finished tensor, exactly once. Every started
   ``Work`` is listed by :func:`pending_collectives` until waited, tagged with its ``owner``
   (a layer's name), so a layer can detect collectives it leaked (:func:`raise_if_pending`).
@@ -55,6 +55,7 @@ __all__ = [
     "start_all_gather",
     "start_all_reduce",
     "start_all_to_all",
+    "start_broadcast",
     "start_recv",
     "start_reduce_scatter",
     "start_send",
@@ -285,16 +286,35 @@ def start_all_reduce(x: Tensor, g: Group, name: str, phase: str, owner: str) -> 
     return Work(work, lambda: x, name, phase, nbytes, owner)
 
 
-def start_send(x: Tensor, dst: int, g: Group, name: str, phase: str, owner: str) -> Work:
+def start_send(
+    x: Tensor, dst: int, g: Group, name: str, phase: str, owner: str, *, tag: int = 0
+) -> Work:
     """Send ``x`` to group rank ``dst``; ``wait()`` returns ``x`` once it may be reused."""
     send = x.contiguous()
     peer = g.ranks[dst] if g.ranks else dist.get_global_rank(g.pg, dst)
-    work = _start(lambda: dist.isend(send, peer, group=g.pg), name)
-    return Work(work, lambda: x, name, phase, link_bytes("send", _nbytes(send), g.size), owner)
+    work = _start(lambda: dist.isend(send, peer, group=g.pg, tag=tag), name)
+    nbytes = link_bytes("send", _nbytes(send), g.size)
+
+    def finish() -> Tensor:
+        assert send is not None  # the send buffer stays alive until the send is waited
+        return x
+
+    return Work(work, finish, name, phase, nbytes, owner)
 
 
-def start_recv(out: Tensor, src: int, g: Group, name: str, phase: str, owner: str) -> Work:
+def start_recv(
+    out: Tensor, src: int, g: Group, name: str, phase: str, owner: str, *, tag: int = 0
+) -> Work:
     """Receive into the contiguous ``out`` from group rank ``src``; ``wait()`` returns it."""
     peer = g.ranks[src] if g.ranks else dist.get_global_rank(g.pg, src)
-    work = _start(lambda: dist.irecv(out, peer, group=g.pg), name)
+    work = _start(lambda: dist.irecv(out, peer, group=g.pg, tag=tag), name)
     return Work(work, lambda: out, name, phase, link_bytes("recv", _nbytes(out), g.size), owner)
+
+
+def start_broadcast(x: Tensor, src: int, g: Group, name: str, phase: str, owner: str) -> Work:
+    """``x`` of group rank ``src`` into ``x`` on every rank (in place); ``wait()`` returns it."""
+    if g.size == 1 or x.numel() == 0:
+        return Work(None, lambda: x, name, phase, 0, owner)
+    peer = g.ranks[src] if g.ranks else dist.get_global_rank(g.pg, src)
+    work = _start(lambda: dist.broadcast(x, peer, group=g.pg, async_op=True), name)
+    return Work(work, lambda: x, name, phase, link_bytes("broadcast", _nbytes(x), g.size), owner)

@@ -26,11 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.dtensor import all_gather_single, check_consistent
+from hyper_parallel.dtensor import check_consistent, comm
 from hyper_parallel.dtensor.consistency import consistency_enabled
 
 from ._checks import check_summary_pair
 from .cost import CostParams, ProtocolChoice, choose_protocol, grouped_widths
+from .halo import OWNER
 from .merge import affine_merge, affine_scan, choose_backend
 
 __all__ = ["PROTOCOLS", "PendingExchange", "StateExchange", "build_state_exchange"]
@@ -87,6 +88,9 @@ class StateExchange:
         self.position = ranks.index(dist.get_rank())
         self.backend = backend
         self.group_size: int | None = None
+        # the group in block order, for hp-dtensor's comm (group ranks = positions here)
+        device_type = str(getattr(mesh, "device_type", "cpu"))
+        self.comm_group = comm.Group(group, self.world_size, self.position, ranks, device_type)
 
     def forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """``S: [B, H, K, V]``, ``M: [B, H, K, K]`` fp32 (this rank's summary) → ``h_in(r)``
@@ -169,16 +173,18 @@ class _P2P(StateExchange):
         P, r = self.world_size, self.position
         prev, nxt = (r - 1, r + 1) if forward else (r + 1, r - 1)
         tag = _TAG_FWD if forward else _TAG_BWD
+        phase, g = ("forward", "state") if forward else ("backward", "dstate"), self.comm_group
         acc = torch.zeros_like(S, memory_format=torch.contiguous_format)
         works: list[Any] = []
         if 0 <= prev < P:
+            recv = comm.start_recv(acc, prev, g, f"recv:{phase[1]}", phase[0], OWNER, tag=tag)
             if 0 <= nxt < P:  # a middle rank sends what it received, folded: receive now
-                dist.recv(acc, src=self.ranks[prev], group=self.group, tag=tag)
+                recv.wait()
             else:  # the chain's end: the receive stays in flight until wait()
-                works.append(dist.irecv(acc, src=self.ranks[prev], group=self.group, tag=tag))
+                works.append(recv)
         if 0 <= nxt < P:
             out = _step(S, M, acc, forward, self.backend)
-            works.append(dist.isend(out, dst=self.ranks[nxt], group=self.group, tag=tag))
+            works.append(comm.start_send(out, nxt, g, f"send:{phase[1]}", phase[0], OWNER, tag=tag))
         return _waiting(works, lambda: acc)  # the finisher keeps the send buffer alive
 
     def _start_forward(self, S: torch.Tensor, M: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -189,25 +195,29 @@ class _P2P(StateExchange):
 
 
 def _start_gather(
-    S: torch.Tensor, M: torch.Tensor, width: int, group: Any
+    S: torch.Tensor, M: torch.Tensor, width: int, group: comm.Group | None, forward: bool
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """Launch the all-gather of ``[S | M]`` over ``group`` (asynchronously); the returned
-    function waits for it and returns views ``(states [w, ...], matrices [w, ...])`` of the one
-    packed buffer."""
+    """Launch the all-gather of ``[S | M]`` over ``group`` (asynchronously; ``None`` for a
+    width of 1); the returned function waits for it and returns views ``(states [w, ...],
+    matrices [w, ...])`` of the one packed buffer."""
     V = S.shape[-1]
     packed = torch.cat([S, M], dim=-1)
     work = None
-    if width == 1:
+    if width == 1 or group is None:
         gathered = packed.unsqueeze(0)
     else:
         # Concatenated along dim 0 (the form every backend accepts), then viewed per slot.
-        flat = packed.new_empty(width * packed.shape[0], *packed.shape[1:])
-        work = all_gather_single(flat, packed, group=group, async_op=True)
-        gathered = flat.view(width, *packed.shape)
+        name, phase = (
+            ("all_gather:state", "forward") if forward else ("all_gather:dstate", "backward")
+        )
+        work = comm.start_all_gather(packed, 0, group, name, phase, OWNER)
+        gathered = None
 
     def done() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal gathered, work
         if work is not None:
-            work.wait()
+            gathered, work = work.wait().view(width, *packed.shape), None
+        assert gathered is not None
         return gathered[..., :V], gathered[..., V:]
 
     return done
@@ -217,7 +227,7 @@ class _AllGather(StateExchange):
     protocol = "allgather"
 
     def _start(self, S: torch.Tensor, M: torch.Tensor, forward: bool) -> Callable[[], torch.Tensor]:
-        gathered = _start_gather(S, M, self.world_size, self.group)
+        gathered = _start_gather(S, M, self.world_size, self.comm_group, forward)
 
         def finish() -> torch.Tensor:
             states, maps = gathered()
@@ -257,6 +267,9 @@ class _Grouped(StateExchange):
                 (f"{base}_kda_groups{width}", f"{base}_kda_member{width}"),
             )
             self.member_group = sub.get_group(1)
+        self.member_comm = (
+            None if self.member_group is None else comm.resolve_group(self.member_group)
+        )
 
     def _start(self, S: torch.Tensor, M: torch.Tensor, forward: bool) -> Callable[[], torch.Tensor]:
         """Forward: groups of ``w`` consecutive ranks, each group's last rank a link of the
@@ -270,7 +283,9 @@ class _Grouped(StateExchange):
         has_next = gi < n_groups - 1 if forward else gi > 0
         step = w if forward else -w  # to the next group's leader, in the chain's direction
         tag = _TAG_FWD if forward else _TAG_BWD
-        gathered = _start_gather(S, M, w, self.member_group)
+        gathered = _start_gather(S, M, w, self.member_comm, forward)
+        phase, what = ("forward", "state") if forward else ("backward", "dstate")
+        g = self.comm_group
         incoming: torch.Tensor | None = None
         own: torch.Tensor | None = None
         works: list[Any] = []
@@ -278,18 +293,24 @@ class _Grouped(StateExchange):
             maps = gathered()
             if has_prev:
                 incoming = torch.empty_like(S, memory_format=torch.contiguous_format)
-                dist.recv(incoming, src=self.ranks[r - step], group=self.group, tag=tag)
+                comm.start_recv(incoming, r - step, g, f"recv:{what}", phase, OWNER, tag=tag).wait()
             order = range(0, w) if forward else range(w - 1, -1, -1)
             own, out = affine_scan(
                 maps, incoming, order, forward=forward, prefix_count=w - 1, backend=self.backend
             )
             if has_next:
-                works.append(dist.isend(out, dst=self.ranks[r + step], group=self.group, tag=tag))
+                works.append(
+                    comm.start_send(out, r + step, g, f"send:{what}", phase, OWNER, tag=tag)
+                )
         if has_prev and w > 1:
             if incoming is None:
                 incoming = torch.empty_like(S, memory_format=torch.contiguous_format)
-            src = self.ranks[gi * w + lead_i]
-            works.append(dist.broadcast(incoming, src=src, group=self.member_group, async_op=True))
+            member = self.member_comm
+            assert member is not None
+            src = member.ranks.index(self.ranks[gi * w + lead_i])  # the leader, in its group
+            works.append(
+                comm.start_broadcast(incoming, src, member, f"broadcast:{what}", phase, OWNER)
+            )
 
         def finish() -> torch.Tensor:
             for work in works:

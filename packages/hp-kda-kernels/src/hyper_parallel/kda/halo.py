@@ -30,16 +30,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor import check_consistent, comm
 from hyper_parallel.dtensor.consistency import consistency_enabled
 
 __all__ = ["PendingHalo", "causal_conv_halo", "start_causal_conv_halo"]
 
 _TAG_FWD, _TAG_BWD = 7311, 7312
+OWNER = "kda"  # the owner tag of this package's collectives (hp-dtensor's comm)
 
 
-def _route(mesh_or_group: Any) -> tuple[Any, int | None, int | None, str | None]:
-    """``(group, previous global rank or None, next global rank or None, mesh device type)``."""
+def _route(mesh_or_group: Any) -> tuple[comm.Group, int | None, int | None, str | None]:
+    """``(group in block order, previous group rank or None, next group rank or None, mesh
+    device type)``."""
     from hyper_parallel.dtensor import DeviceMesh, rank_list
 
     if isinstance(mesh_or_group, DeviceMesh):
@@ -56,9 +58,8 @@ def _route(mesh_or_group: Any) -> tuple[Any, int | None, int | None, str | None]
             f"got {type(mesh_or_group).__name__}"
         )
     me = ranks.index(dist.get_rank())
-    prev = ranks[me - 1] if me > 0 else None
-    nxt = ranks[me + 1] if me + 1 < len(ranks) else None
-    return group, prev, nxt, device_type
+    g = comm.Group(group, len(ranks), me, tuple(ranks), device_type)  # indices in block order
+    return g, g.prev, g.next, device_type
 
 
 def _check(x: Any, width: Any, seq_dim: Any) -> int:
@@ -89,7 +90,7 @@ class PendingHalo:
         x: torch.Tensor,
         width: int,
         seq_dim: int,
-        group: Any,
+        group: comm.Group,
         prev: int | None,
         nxt: int | None,
     ) -> None:
@@ -120,7 +121,9 @@ class PendingHalo:
         buf = tail.new_zeros(n, *tail.shape[1:])
         recv = None
         if self._prev is not None:
-            recv = dist.irecv(buf, src=self._prev, group=self._group, tag=_TAG_FWD)
+            recv = comm.start_recv(
+                buf, self._prev, self._group, "recv:halo", "forward", OWNER, tag=_TAG_FWD
+            )
         if self._next is not None:
             if m < n and recv is not None:  # a short block forwards rows of its own halo
                 recv.wait()
@@ -128,7 +131,11 @@ class PendingHalo:
             out = tail if m == n else torch.cat([buf[m:], tail])
             out = out.contiguous()
             self._keep.append(out)
-            self._works.append(dist.isend(out, dst=self._next, group=self._group, tag=_TAG_FWD))
+            self._works.append(
+                comm.start_send(
+                    out, self._next, self._group, "send:halo", "forward", OWNER, tag=_TAG_FWD
+                )
+            )
         if recv is not None:
             self._works.insert(0, recv)  # the receive is waited for first
         return buf
@@ -147,7 +154,9 @@ class PendingHalo:
         grad_out = grad_halo.new_zeros(grad_halo.shape)  # gradient of the rows this rank sent
         recv = None
         if self._next is not None:
-            recv = dist.irecv(grad_out, src=self._next, group=self._group, tag=_TAG_BWD)
+            recv = comm.start_recv(
+                grad_out, self._next, self._group, "recv:dhalo", "backward", OWNER, tag=_TAG_BWD
+            )
         self._recv_grad = grad_out
         if self._prev is not None:
             to_prev = grad_halo.contiguous()
@@ -158,7 +167,11 @@ class PendingHalo:
                 to_prev = to_prev.clone()
                 to_prev[m:] += grad_out[: n - m]
             self._keep.append(to_prev)
-            self._works.append(dist.isend(to_prev, dst=self._prev, group=self._group, tag=_TAG_BWD))
+            self._works.append(
+                comm.start_send(
+                    to_prev, self._prev, self._group, "send:dhalo", "backward", OWNER, tag=_TAG_BWD
+                )
+            )
         if recv is not None:
             self._works.insert(0, recv)
 
@@ -228,7 +241,7 @@ def start_causal_conv_halo(
     if consistency_enabled():
         rest = tuple(n for d, n in enumerate(x.shape) if d != seq_dim)
         check_consistent(
-            group, "causal_conv_halo", x_without_seq_dim=rest, dtype=str(x.dtype),
+            group.pg, "causal_conv_halo", x_without_seq_dim=rest, dtype=str(x.dtype),
             device=x.device.type, width=width, seq_dim=seq_dim,
             needs_grad=torch.is_grad_enabled() and x.requires_grad,
         )  # fmt: skip

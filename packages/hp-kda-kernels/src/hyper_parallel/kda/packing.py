@@ -23,10 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.dtensor import all_gather_single, check_consistent, rank_list
+from hyper_parallel.dtensor import check_consistent, comm, rank_list
 from hyper_parallel.dtensor.consistency import consistency_enabled
 
 from ._checks import check_cu_seqlens, document_resets, document_starts
+from .halo import OWNER
 
 __all__ = ["PackedBlock", "packed_block"]
 
@@ -60,9 +61,10 @@ def packed_block(cu_seqlens: Any, mesh: Any, B: int, T: int, device: Any, what: 
     P = mesh.size()
     mine = torch.tensor([T], dtype=torch.int64, device=device)
     if P > 1:
-        lengths_t = mine.new_empty(P)
-        all_gather_single(lengths_t, mine, group=group)
-        lengths = [int(x) for x in lengths_t.tolist()]
+        gather = comm.start_all_gather(
+            mine, 0, comm.resolve_group(group), "all_gather:block_lengths", "forward", OWNER
+        )
+        lengths = [int(x) for x in gather.wait().tolist()]
     else:
         lengths = [T]
     r = list(rank_list(mesh)).index(dist.get_rank()) if P > 1 else 0
