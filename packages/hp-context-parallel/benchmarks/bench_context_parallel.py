@@ -351,7 +351,7 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg, out = _config(argv)
-    records = run_ranks(_body, cfg, world_size=2, timeout=600.0)
+    records = run_ranks(_body, cfg, world_size=2, timeout=3600.0)  # a loaded host is slow
     if records is not None:  # rank 0 (or the launching process) reports
         write_records(out, records)
         for record in records:
