@@ -238,6 +238,11 @@ def _preload_in_fork_server() -> None:
             pass
 
 
+FORK_ENV = "HP_TEST_FORK"
+"""Set by :func:`run_markdown_example` for its script: ranks are forked from the script itself
+(see :func:`_context`)."""
+
+
 def _context() -> Any:
     # A fork server that has already imported torch starts ranks in a fraction of the
     # time a fresh interpreter needs; it never runs torch ops itself, so forking it is safe.
@@ -245,6 +250,12 @@ def _context() -> Any:
     # without importing its test module, transformers and the layers again (seconds of CPU
     # per rank). The list is fixed when the fork server starts, at the first run: under pytest
     # that is after collection, when every test module is imported.
+    # A README example (run_markdown_example) has only imported modules and defined functions
+    # when it calls run_distributed: forking the script itself is safe there, and saves the fork
+    # server's second interpreter, which would import torch and the script's own imports
+    # (transformers: ~10 s of CPU) all over again.
+    if os.environ.get(FORK_ENV) == "1" and "fork" in mp.get_all_start_methods():
+        return mp.get_context("fork")
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", f"{__package__}._preload"])
@@ -260,6 +271,10 @@ def _start(procs: list[Any]) -> None:
     path and modules from :data:`PRELOAD_ENV`, set only meanwhile (nothing else inherits it)."""
     import json
 
+    if os.environ.get(FORK_ENV) == "1":  # forked from the caller: nothing to preload
+        for p in procs:
+            p.start()
+        return
     if not _preload_spec:
         from multiprocessing import spawn
 
@@ -400,7 +415,12 @@ def run_markdown_example(path: str | os.PathLike[str], index: int = 0, timeout: 
         with open(script, "w", encoding="utf-8") as f:
             f.write(blocks[index])
         done = subprocess.run(
-            [sys.executable, script], capture_output=True, text=True, timeout=timeout, cwd=tmp
+            [sys.executable, script],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tmp,
+            env={**os.environ, FORK_ENV: "1"},
         )
     if done.returncode != 0:
         raise RuntimeError(
