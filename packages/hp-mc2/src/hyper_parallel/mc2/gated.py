@@ -171,7 +171,7 @@ def _pipelined_backward(
             partial = torch.matmul(dgj, wg)  # [ws, m_j, D], summed over ranks below
             partial.baddbmm_(duj, wu.expand(ws, *wu.shape))
         xj = gx.next().view(ws * mj, -1) if gx is not None else None
-        if partial is not None:
+        if dx is not None and partial is not None:
             pending.append((reduce_scatter_async(dx[off : off + mj], partial, group), partial))
             del partial
         if xj is not None:
