@@ -201,6 +201,12 @@ def test_main_job_tiny_run_agrees_and_draws_the_trace(job_factory):
         assert (job.out / name).stat().st_size > 0, name
     assert len(json.loads((job.out / "losses.json").read_text())["losses"]) == 2
     assert (job.out / "trace_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the comm lane (tid 1) holds every layer's collectives: MLA's, KDA's and MC2's
+    trace = json.loads((job.out / "trace_step.json").read_text())
+    comm = {e["name"] for e in trace["traceEvents"] if e.get("tid") == 1 and e.get("ph") == "X"}
+    assert any(n.startswith("a2a:") for n in comm), comm  # MLA's all-to-alls
+    assert comm & {"send:halo", "recv:halo", "send:state", "recv:state"}, comm  # KDA's
+    assert comm & {"all_gather:x", "reduce_scatter:partial"}, comm  # MC2's
     job.assert_nothing_left()
 
 

@@ -243,37 +243,80 @@ def start_all_to_all(
     return Work(work, lambda: torch.cat(recv.unbind(0), dim=cat_dim), name, phase, nbytes, owner)
 
 
-def start_all_gather(x: Tensor, dim: int, g: Group, name: str, phase: str, owner: str) -> Work:
-    """``[.., n, ..] -> [.., P·n, ..]`` along ``dim`` (rank blocks in rank order)."""
+def start_all_gather(
+    x: Tensor,
+    dim: int,
+    g: Group,
+    name: str,
+    phase: str,
+    owner: str,
+    *,
+    out: Tensor | None = None,
+) -> Work:
+    """``[.., n, ..] -> [.., P·n, ..]`` along ``dim`` (rank blocks in rank order). ``out``:
+    optionally the contiguous ``[P·n, ..]`` buffer to gather into (``dim`` 0 only)."""
+    if out is not None and (dim != 0 or not out.is_contiguous()):
+        raise ValueError("start_all_gather: out= needs dim 0 and a contiguous buffer")
     if g.size == 1 or x.numel() == 0:
+        if out is not None:
+            if x.numel():
+                out.view_as(x).copy_(x)
+            return Work(None, lambda: out, name, phase, 0, owner)
         if g.size > 1:  # every rank's block is empty too (the shapes agree): P·0 rows
             shape = list(x.shape)
             shape[dim] *= g.size
             return Work(None, lambda: x.new_empty(shape), name, phase, 0, owner)
         return _done(x, name, phase, owner)
     send = x.movedim(dim, 0).contiguous()
-    out = send.new_empty((g.size * send.shape[0], *send.shape[1:]))
-    work = _start(lambda: all_gather_single(out, send, group=g.pg, async_op=True), name)
-    nbytes = link_bytes("all_gather", _nbytes(out), g.size)
-    return Work(work, lambda: out.movedim(0, dim), name, phase, nbytes, owner)
+    if out is None:
+        buf = send.new_empty((g.size * send.shape[0], *send.shape[1:]))
+    else:
+        buf = out.view(g.size * send.shape[0], *send.shape[1:])
+    work = _start(lambda: all_gather_single(buf, send, group=g.pg, async_op=True), name)
+    nbytes = link_bytes("all_gather", _nbytes(buf), g.size)
+    if out is not None:
+        return Work(work, lambda: out, name, phase, nbytes, owner)
+    return Work(work, lambda: buf.movedim(0, dim), name, phase, nbytes, owner)
 
 
-def start_reduce_scatter(x: Tensor, dim: int, g: Group, name: str, phase: str, owner: str) -> Work:
-    """``[.., P·n, ..] -> [.., n, ..]``: the sum over ranks, this rank's block along ``dim``."""
+def start_reduce_scatter(
+    x: Tensor,
+    dim: int,
+    g: Group,
+    name: str,
+    phase: str,
+    owner: str,
+    *,
+    out: Tensor | None = None,
+) -> Work:
+    """``[.., P·n, ..] -> [.., n, ..]``: the sum over ranks, this rank's block along ``dim``.
+    ``out``: optionally the ``[n, ..]`` buffer to reduce into (``dim`` 0 only)."""
+    if out is not None and dim != 0:
+        raise ValueError("start_reduce_scatter: out= needs dim 0")
     if g.size == 1 or x.numel() == 0:
+        if out is not None:
+            if out.numel():
+                out.copy_(x.reshape(out.shape))
+            return Work(None, lambda: out, name, phase, 0, owner)
         if g.size > 1:
             shape = list(x.shape)
             shape[dim] //= g.size
             return Work(None, lambda: x.new_empty(shape), name, phase, 0, owner)
         return _done(x, name, phase, owner)
     send = x.movedim(dim, 0).contiguous()
-    out = send.new_empty((send.shape[0] // g.size, *send.shape[1:]))
+    if out is None:
+        buf = send.new_empty((send.shape[0] // g.size, *send.shape[1:]))
+    else:
+        buf = out
+        send = send.view(-1, *out.shape[1:])
     work = _start(
-        lambda: reduce_scatter_single(out, send, group=g.pg, async_op=True, op=dist.ReduceOp.SUM),
+        lambda: reduce_scatter_single(buf, send, group=g.pg, async_op=True, op=dist.ReduceOp.SUM),
         name,
     )
     nbytes = link_bytes("reduce_scatter", _nbytes(send), g.size)
-    return Work(work, lambda: out.movedim(0, dim), name, phase, nbytes, owner)
+    if out is not None:  # the send buffer stays alive until the collective is waited
+        return Work(work, lambda kept=send: out, name, phase, nbytes, owner)  # type: ignore[misc]
+    return Work(work, lambda: buf.movedim(0, dim), name, phase, nbytes, owner)
 
 
 def start_all_reduce(x: Tensor, g: Group, name: str, phase: str, owner: str) -> Work:

@@ -1,8 +1,9 @@
 """Async dim-0 all-gather / reduce-scatter on any process group, returning work handles.
 
-The collectives themselves are hp-dtensor's one shim over torch's renamed ``*_single`` /
-``*_tensor`` functions; this module only adds the empty-tensor and one-rank shortcuts (the
-same on every rank of a group, so every rank runs the same collectives).
+Both start through hp-dtensor's communication runtime (``comm``), into the caller's buffer:
+recorded by hp-dtensor's ``record_events``, named in a ``torch.profiler`` trace, counted by the
+one byte rule, with comm's empty-tensor and one-rank shortcuts (the same on every rank of a
+group, so every rank runs the same collectives).
 """
 
 from __future__ import annotations
@@ -12,32 +13,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.dtensor import all_gather_single, reduce_scatter_single
+from hyper_parallel.dtensor import comm
+from hyper_parallel.dtensor.cache import WorldCache
+
+OWNER = "mc2"  # the owner tag of this package's collectives
+_GROUPS: WorldCache[int, comm.Group] = WorldCache()
 
 
-class _Done:
-    """Work handle of a collective that had nothing to do."""
+def _group(group: Any) -> comm.Group:
+    pg = group if group is not None else dist.group.WORLD
+    cached = _GROUPS.get(id(pg))
+    if cached is None or cached.pg is not pg:
+        cached = _GROUPS[id(pg)] = comm.resolve_group(pg, "hp-mc2")
+    return cached
 
-    def wait(self) -> bool:
-        return True
+
+def _phase() -> str:
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return "backward" if current is not None and current() != -1 else "forward"
 
 
-def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+def all_gather_async(
+    out: torch.Tensor, inp: torch.Tensor, group: Any, name: str = "all_gather:x"
+) -> Any:
     """Start ``out = cat([inp of rank r for r in group], dim=0)``; ``out`` must be contiguous."""
-    if inp.numel() == 0:
-        return _Done()
-    if dist.get_world_size(group) == 1:
-        out.view_as(inp).copy_(inp)
-        return _Done()
-    return all_gather_single(out.view(-1, *inp.shape[1:]), inp.contiguous(), group, True)
+    rows = out.view(-1, *inp.shape[1:])
+    return comm.start_all_gather(inp, 0, _group(group), name, _phase(), OWNER, out=rows)
 
 
-def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+def reduce_scatter_async(
+    out: torch.Tensor, inp: torch.Tensor, group: Any, name: str = "reduce_scatter:partial"
+) -> Any:
     """Start ``out = (Σ_ranks inp)[rank·len(out) : (rank+1)·len(out)]`` along dim 0."""
-    if out.numel() == 0:
-        return _Done()
-    if dist.get_world_size(group) == 1:
-        out.copy_(inp.reshape(out.shape))
-        return _Done()
-    flat = inp.contiguous().view(-1, *out.shape[1:])
-    return reduce_scatter_single(out, flat, group, True)
+    return comm.start_reduce_scatter(inp, 0, _group(group), name, _phase(), OWNER, out=out)

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hyper_parallel.mc2._collectives import all_gather_async, reduce_scatter_async
+from hyper_parallel.dtensor import comm
+from hyper_parallel.mc2._collectives import OWNER, _group, all_gather_async, reduce_scatter_async
 from hyper_parallel.mc2.backend import validate_operands
 from hyper_parallel.mc2.gated import validate_gated_operands
 
@@ -70,7 +71,7 @@ class _SumGradOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
+        comm.start_all_reduce(g, _group(ctx.group), "all_reduce:grad", "backward", OWNER).wait()
         return g, None
 
 
