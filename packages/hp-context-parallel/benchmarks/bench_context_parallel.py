@@ -69,8 +69,9 @@ PAIRS = [
     ("latent_vs_expanded_blocking", "latent_blocking", "expanded_blocking"),
 ]
 BLOCKS = {"mla": "cp_mla_fwd_bwd", "deepseek_v3": "cp_hf_deepseek_v3_fwd_bwd"}
-# the head-group pipeline, compared under the modeled link: (suffix, head_groups)
-LINK_GROUPS = [("g2", 2), ("g4", 4), ("g8", 8), ("auto", "auto")]
+# the head-group pipeline, compared under the modeled link: (suffix, head_groups); the
+# ``<strategy>_overlap`` case itself is parallelize_mla's default, head_groups="auto"
+LINK_GROUPS = [("g1", 1), ("g2", 2), ("g4", 4), ("g8", 8)]
 
 
 def _mla_block(cfg: dict[str, Any], rank: int, ws: int) -> tuple[torch.nn.Module, Any]:
@@ -159,7 +160,8 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
             call(model, x).backward(dy)
 
         cases = {name: (lambda m=m: step(m)) for name, m in models.items() if name in plain}
-        records += _measure(cfg, block, cases, device, ws)
+        if not cfg["link_only"]:
+            records += _measure(cfg, block, cases, device, ws)
         if block == "mla" and cfg["link"]:
             # its own (shorter) sequence: each link step runs the block up to twice as long
             s_link = cfg["link_tokens"] // ws
@@ -177,9 +179,8 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
             link_cases = {name: (lambda m=m: link_step(m)) for name, m in models.items()}
             groups = {
-                name: mla_head_groups(m, xl).count
-                for name, m in models.items()
-                if name.endswith("_auto")
+                f"{s}_overlap": mla_head_groups(models[f"{s}_overlap"], xl).count
+                for s in ("expanded", "latent")
             }
             records += _measure_link(cfg, block, link_cases, device, groups)
     return records
@@ -188,7 +189,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 def _link_groups(cfg: dict[str, Any], ws: int) -> list[tuple[str, Any]]:
     """The head-group counts compared under the link: those dividing the heads per rank."""
     h = cfg["heads"] // ws
-    return [(s, g) for s, g in LINK_GROUPS if g == "auto" or h % int(g) == 0]
+    return [(s, g) for s, g in LINK_GROUPS if h % g == 0]
 
 
 def _measure_link(
@@ -198,17 +199,16 @@ def _measure_link(
     device: torch.device,
     auto_groups: dict[str, int],
 ) -> list[dict[str, Any]]:
-    """Overlapped (G = 1, the head-group pipeline with G = 2, 4 and ``"auto"``) vs blocking,
-    per strategy, under a modeled link whose communication per step matches the blocking
-    path's compute (bandwidth = blocking bytes / blocking step time); all five interleaved."""
+    """Overlapped — the default (``head_groups="auto"``) and G = 1, 2, 4, 8 — vs blocking, per
+    strategy, under a modeled link whose communication per step matches the blocking path's
+    compute (bandwidth = blocking bytes / blocking step time); all of them interleaved."""
     records = []
     latency = cfg["link_latency"]
     for strategy in ("expanded", "latent"):
         base = f"{strategy}_blocking"
-        group_of = {f"{strategy}_overlap": 1}
+        group_of = {f"{strategy}_overlap": auto_groups[f"{strategy}_overlap"]}
         for suffix, groups in _link_groups(cfg, dist.get_world_size()):
-            name = f"{strategy}_overlap_{suffix}"
-            group_of[name] = auto_groups.get(name, groups)  # type: ignore[arg-type]
+            group_of[f"{strategy}_overlap_{suffix}"] = int(groups)
         pair = {base: cases[base], **{name: cases[name] for name in group_of}}
         reps = cfg["link_repeats"]
         bandwidth, t_plain, t_compute, nbytes = calibrate_link(cases[base], reps)
@@ -324,6 +324,9 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--block", choices=sorted(BLOCKS), default=None, help="default: both")
     p.add_argument("--link-latency", type=float, default=20e-6, help="modeled link latency (s)")
     p.add_argument("--no-link", action="store_true", help="skip the modeled-link comparison")
+    p.add_argument(
+        "--link-only", action="store_true", help="only the modeled-link comparison (this block)"
+    )
     a = p.parse_args(argv)
     # tokens, hidden, heads, kv_lora, q_lora, repeats
     dims = (1024, 512, 8, 128, 192, 3) if a.quick else (4096, 1024, 16, 256, 384, 5)
@@ -339,9 +342,10 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "rope": 32,
         "v": 64,
         "repeats": a.repeats or dims[5],
-        "blocks": [a.block] if a.block else list(BLOCKS),
+        "blocks": ["mla"] if a.link_only else ([a.block] if a.block else list(BLOCKS)),
         "warmup": 1,
         "link": not a.no_link,
+        "link_only": a.link_only,
         "link_latency": a.link_latency,
         "link_tokens": min(a.tokens or dims[0], 1024 if a.quick else 2048),
         "link_repeats": a.repeats or (3 if a.quick else 5),
