@@ -11,7 +11,6 @@ names; the parameters are new DTensor ``Parameter`` objects, as with torch's own
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -24,6 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from hyper_parallel.dtensor import check_consistent, check_rank_order
 from hyper_parallel.dtensor.amp import cast_for_autocast
 from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized, parallel_state
 from hyper_parallel.mc2.activation import check_elementwise_activation
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
 from hyper_parallel.mc2.gated import run_gated_mlp
@@ -32,11 +32,13 @@ from hyper_parallel.mc2.linear import check_sequence_dim
 __all__ = ["MC2GatedMLPParallel"]
 
 _NAME = "MC2GatedMLPParallel"
+LAYER = "MC2GatedMLPParallel"  # the name this rewrite is installed under (hp-dtensor's rewrite)
 
 
 @dataclass(frozen=True)
 class _GatedPlan:
-    """What a parallelized gated MLP runs; stored on the module as ``mc2_gated``."""
+    """What a parallelized gated MLP runs: the state hp-dtensor's ``rewrite`` keeps for it
+    (under :data:`LAYER`)."""
 
     gate: str
     up: str
@@ -46,11 +48,6 @@ class _GatedPlan:
     chunks: int | None
     group: Any
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        # Immutable, and the process group is a communicator handle that cannot be copied: a
-        # deep copy of a parallelized module runs on the same group.
-        return self
-
 
 def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -59,7 +56,7 @@ def _local(t: Any) -> Any:
 def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The parallel forward: ``x`` ``[..., S_local, ..., D]`` (this rank's block, sequence at
     ``sequence_dim``) -> ``[..., S_local, ..., D]``, this rank's block of the output."""
-    plan = cast(_GatedPlan, self.__dict__["mc2_gated"])
+    plan = cast(_GatedPlan, parallel_state(self, LAYER))
     gate, up, down = (getattr(self, n) for n in (plan.gate, plan.up, plan.down))
     wg, wu, wd = _local(gate.weight), _local(up.weight), _local(down.weight)
     bg, bu, bd = _local(gate.bias), _local(up.bias), _local(down.bias)
@@ -188,9 +185,10 @@ class MC2GatedMLPParallel(ParallelStyle):
 
     def _check_module(self, module: nn.Module, ws: int) -> None:
         """Everything that can fail, before distribute_tensor communicates."""
+        if is_parallelized(module):  # a rewrite's class is a direct subclass of the module's own
+            own = type(module).__bases__[0].__name__
+            raise RuntimeError(f"{_NAME}: this {own} is already parallelized")
         kind = type(module).__name__
-        if "mc2_gated" in module.__dict__:
-            raise RuntimeError(f"{_NAME}: this {kind} is already parallelized")
         gate, up, down = self._linears(module)
         if not hasattr(module, "act_fn"):
             raise ValueError(f"{_NAME}: {kind} has no act_fn; the style uses the module's own")
@@ -264,8 +262,8 @@ class MC2GatedMLPParallel(ParallelStyle):
             dp = distribute_tensor(p.detach(), device_mesh, [placement], **kwargs)
             lin.register_parameter(pname, nn.Parameter(dp, requires_grad=p.requires_grad))
         group = device_mesh.get_group()
-        module.__dict__["mc2_gated"] = _GatedPlan(
+        plan = _GatedPlan(
             self.gate, self.up, self.down, self.sequence_dim, self.backend, self.chunks, group
         )
-        module.forward = types.MethodType(_gated_forward, module)  # type: ignore[method-assign]
+        install_forward(module, LAYER, plan, lambda _cls: _gated_forward, prefix="MC2Gated")
         return module
