@@ -27,6 +27,7 @@ from _kda_hf import kda_layer
 from _kda_testutil import kda_inputs
 
 from hyper_parallel.dtensor import DeviceMesh, init_device_mesh
+from hyper_parallel.dtensor import comm as comm_mod
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.kda import (
     affine_merge,
@@ -36,7 +37,6 @@ from hyper_parallel.kda import (
     parallelize_kda,
     unparallelize_kda,
 )
-from hyper_parallel.kda import exchange as exchange_mod
 
 _COMM = ["send", "recv", "isend", "irecv", "broadcast", "all_reduce", "all_gather",
          "all_gather_into_tensor", "all_gather_single", "new_group", "barrier"]  # fmt: skip
@@ -130,7 +130,7 @@ def _errors_rank() -> dict[str, Any]:
     cases = _cases(mesh, mesh2d, shuffled)
     calls: list[str] = []
     saved = {name: getattr(dist, name) for name in _COMM}
-    saved_gather = exchange_mod.all_gather_single
+    saved_gather = comm_mod.all_gather_single  # what every all-gather of comm calls
 
     def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -141,7 +141,7 @@ def _errors_rank() -> dict[str, Any]:
 
     for name, fn in saved.items():
         setattr(dist, name, spy(name, fn))
-    exchange_mod.all_gather_single = spy("all_gather_single", saved_gather)
+    comm_mod.all_gather_single = spy("all_gather_single", saved_gather)
     raised: dict[str, str] = {}
     try:
         for name, (_, call) in cases.items():
@@ -154,7 +154,7 @@ def _errors_rank() -> dict[str, Any]:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-        exchange_mod.all_gather_single = saved_gather
+        comm_mod.all_gather_single = saved_gather
     # The group is still usable: a collective and a real exchange complete.
     t = torch.ones(1)
     dist.all_reduce(t)
