@@ -47,6 +47,7 @@ class _GatedPlan:
     backend: str
     chunks: int | None
     group: Any
+    module_class: str = ""  # the module's own class name, for messages
 
 
 def _local(t: Any) -> Any:
@@ -76,7 +77,7 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         plan.backend,
         plan.chunks,
         context,
-        f"{_NAME} ({type(self).__name__})",
+        f"{_NAME} ({plan.module_class})",
     )
     return y2.view(*lead, y2.shape[-1]).movedim(0, seq)
 
@@ -263,7 +264,8 @@ class MC2GatedMLPParallel(ParallelStyle):
             lin.register_parameter(pname, nn.Parameter(dp, requires_grad=p.requires_grad))
         group = device_mesh.get_group()
         plan = _GatedPlan(
-            self.gate, self.up, self.down, self.sequence_dim, self.backend, self.chunks, group
-        )
+            self.gate, self.up, self.down, self.sequence_dim, self.backend, self.chunks, group,
+            type(module).__name__,
+        )  # fmt: skip
         install_forward(module, LAYER, plan, lambda _cls: _gated_forward, prefix="MC2Gated")
         return module
