@@ -232,3 +232,47 @@ def test_split_and_merge_are_inverse_and_group_g_holds_rank_js_heads():
             want = x[:, :, j * h + g * hg : j * h + (g + 1) * hg]
             assert torch.equal(parts[g][:, :, j * hg : (j + 1) * hg], want)
     assert torch.equal(merge_heads(parts, p), x)
+
+
+# ---- the stock Hugging Face modules (DeepseekV3Attention, KimiLinearAttention) ----------------
+_HF_CASES = [
+    (v, s) for v in ("deepseek_interleave_yarn_qlora", "kimi") for s in ("expanded", "latent")
+]
+
+
+def rank_stock_head_groups() -> dict:
+    import _cp_hf as H
+
+    mesh = H.cp_mesh()
+    p, r = mesh.size(), mesh.get_local_rank()
+    block = torch.arange(r * H.SEQ // p, (r + 1) * H.SEQ // p)
+    out = {}
+    for variant, strategy in _HF_CASES:
+        m = H.build(variant)  # 4 heads: 2 per rank, so 2 groups of one head each
+        parallelize_mla(m, mesh, strategy=strategy, head_groups=2)
+        x, dy = H.inputs()
+        with record_events() as rec:
+            res = H._run(m, variant, shard_sequence(x, mesh), shard_sequence(dy, mesh), block)
+        res["forward_a2a"] = sorted(
+            e.name for e in rec.events if e.kind == "launch" and e.phase == "forward"
+        )
+        out[(variant, strategy)] = res
+    return out
+
+
+def test_stock_modules_with_head_groups_equal_the_serial_module():
+    import _cp_hf as H
+
+    runs = run_distributed(rank_stock_head_groups, 2, timeout=TIMEOUT)
+    for variant, strategy in _HF_CASES:
+        ref = H.serial_reference(variant)
+        per_rank = [r[(variant, strategy)] for r in runs]
+        tol = dict(rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(torch.cat([r["out"] for r in per_rank], 1), ref["out"], **tol)
+        torch.testing.assert_close(torch.cat([r["dx"] for r in per_rank], 1), ref["dx"], **tol)
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(sum(r["grads"][name] for r in per_rank), g, **tol)
+        for r in per_rank:  # each rank exchanges its two groups, not the whole
+            assert r["weights"] is None
+            names = r["forward_a2a"]
+            assert "a2a:q0" in names and "a2a:q1" in names and "a2a:q" not in names, names
