@@ -57,3 +57,64 @@ def test_environment_variable_turns_the_checks_on(monkeypatch):
         assert not consistency_enabled()
     monkeypatch.setenv("HP_CHECK_CONSISTENCY", "0")
     assert not consistency_enabled()
+
+
+def _entry_cases() -> dict[str, object]:
+    from hyper_parallel.dtensor import checked_entry
+
+    rank = dist.get_rank()
+    built: list[str] = []
+
+    def inner_fields(x: torch.Tensor) -> tuple[object, dict[str, object]]:
+        built.append("inner")
+        return None, {"x": x}
+
+    @checked_entry("inner", inner_fields)
+    def inner(x: torch.Tensor) -> int:
+        check_consistent(None, "helper", rows=x.shape[0])  # nested: never communicates
+        return int(x.shape[0])
+
+    def outer_fields(x: torch.Tensor, n: int) -> tuple[object, dict[str, object]]:
+        built.append("outer")
+        return None, {"n": n}
+
+    @checked_entry("outer", outer_fields)
+    def outer(x: torch.Tensor, n: int) -> int:
+        return inner(x) + n
+
+    res: dict[str, object] = {"name": outer.__name__}
+    # off: the fields are never built, nothing is compared
+    res["off"] = (outer(torch.zeros(rank + 1), 1), list(built))
+    with consistency_checks():
+        built.clear()
+        # the outer entry compares only its own fields; the nested entry and helper do not
+        # check (x differs across ranks, which the inner entry alone would have caught)
+        res["nested"] = (outer(torch.zeros(rank + 1), 1), list(built))
+        built.clear()
+        try:
+            inner(torch.zeros(rank + 1))  # called directly: it is the outermost, it checks
+            res["direct"] = None
+        except InconsistentRanksError as exc:
+            res["direct"] = (exc.field, str(exc), list(built))
+        try:
+            outer(torch.zeros(2), rank % 2)
+            res["outer"] = None
+        except InconsistentRanksError as exc:
+            res["outer"] = (exc.field, str(exc))
+        res["after"] = outer(torch.zeros(2), 1)  # the nesting flag is reset after an error
+    return res
+
+
+@pytest.mark.timeout(90)
+def test_checked_entry_checks_once_at_the_outermost_entry_point():
+    os.environ.pop("HP_CHECK_CONSISTENCY", None)
+    results = run_distributed(_entry_cases, 2, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["name"] == "outer"  # functools.wraps
+        assert r["off"] == (rank + 2, [])
+        assert r["nested"] == (rank + 2, ["outer"])
+        field, msg, built = r["direct"]
+        assert field == "x" and "inner: ranks disagree" in msg and built == ["inner"]
+        field, msg = r["outer"]
+        assert field == "n" and "ranks [0]: 0" in msg and "ranks [1]: 1" in msg
+        assert r["after"] == 3

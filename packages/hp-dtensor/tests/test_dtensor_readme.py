@@ -78,3 +78,7 @@ def test_ranks_c_output_arrives_in_whole_lines_before_the_callers_own(tmp_path):
     bad = [ln for ln in lines[:-1] if not pattern.fullmatch(ln)]
     assert not bad, bad[:5]
     assert len(lines) == 2 * 60 + 1
+
+
+def test_readme_consistency_example_names_the_field_on_every_rank():
+    assert run_markdown_example(README, index=1).splitlines()[-1] == "['x', 'x']"

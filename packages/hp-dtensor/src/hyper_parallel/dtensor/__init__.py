@@ -15,6 +15,7 @@ from hyper_parallel.dtensor.collectives import all_gather_single, reduce_scatter
 from hyper_parallel.dtensor.consistency import (
     InconsistentRanksError,
     check_consistent,
+    checked_entry,
     consistency_checks,
 )
 from hyper_parallel.dtensor.mesh import (
@@ -37,6 +38,7 @@ __all__ = [
     "all_gather_single",
     "check_consistent",
     "check_rank_order",
+    "checked_entry",
     "consistency_checks",
     "distribute_tensor",
     "flatten",

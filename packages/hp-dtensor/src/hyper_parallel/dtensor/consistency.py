@@ -8,15 +8,23 @@ two small all-gathers (lengths, then the JSON bytes) compare them, and every ran
 
 Off by default (it costs one small collective per call). Turn it on for a whole process with
 ``HP_CHECK_CONSISTENCY=1``, or for a block with ``with consistency_checks(): ...``.
+
+A layer declares the check once per public entry point with :func:`checked_entry`: the
+decorator builds the signature lazily (only with the checks on), compares it before the entry
+point's body runs (so before its first collective), and runs the body with the checks of nested
+entry points and helpers turned off (:func:`check_consistent` returns at once inside a checked
+call): the outermost entry point's signature covers what its callees would have compared.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import json
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +32,7 @@ import torch.distributed as dist
 __all__ = [
     "InconsistentRanksError",
     "check_consistent",
+    "checked_entry",
     "consistency_checks",
     "consistency_enabled",
     "signature",
@@ -31,6 +40,8 @@ __all__ = [
 
 _ENV = "HP_CHECK_CONSISTENCY"
 _override: bool | None = None
+_inside_checked = contextvars.ContextVar("hp_inside_checked_entry", default=False)
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class InconsistentRanksError(ValueError):
@@ -107,8 +118,9 @@ def _gather_signatures(mine: dict[str, str], group: Any, size: int) -> list[dict
 def check_consistent(group: Any, what: str, **fields: Any) -> None:
     """With the checks on: every rank of ``group`` must pass equal :func:`signature` s for each
     field, else every rank raises :class:`InconsistentRanksError` (``what`` names the call, e.g.
-    ``"parallelize_kda"``). With the checks off, returns at once without communicating."""
-    if not consistency_enabled() or not dist.is_initialized():
+    ``"parallelize_kda"``). With the checks off, or inside a call already checked by
+    :func:`checked_entry`, returns at once without communicating."""
+    if not consistency_enabled() or _inside_checked.get() or not dist.is_initialized():
         return
     mine = {name: signature(value) for name, value in fields.items()}
     size = dist.get_world_size(group)
@@ -122,3 +134,43 @@ def check_consistent(group: Any, what: str, **fields: Any) -> None:
             values.setdefault(str(sig.get(name, "<missing>")), []).append(rank)
         if len(values) > 1:
             raise InconsistentRanksError(what, name, values)
+
+
+def checked_entry(
+    what: str, fields: Callable[..., tuple[Any, Mapping[str, Any]] | None]
+) -> Callable[[_F], _F]:
+    """Declare an entry point's consistency check once, as a decorator.
+
+    With the checks on (and outside another checked call), ``fields(*args, **kwargs)`` (the
+    decorated function's own arguments) returns ``(group, {name: value})`` (``group``: a
+    process group, or ``None`` for the default one) or ``None`` when there is nothing to
+    compare; :func:`check_consistent` compares them over ``group`` before the body runs, and
+    the body runs with nested checks off. ``fields`` should only read its arguments (shapes,
+    dtypes, options), not validate them: an error it raises on one rank only would leave the
+    others waiting in the comparison. With the checks off, ``fields`` is never called and the
+    decorated function costs one flag read more.
+
+    Example::
+
+        @checked_entry("my_gather", lambda x, mesh: (mesh.get_group(), {"x": x}))
+        def my_gather(x, mesh): ...
+    """
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            if not consistency_enabled() or _inside_checked.get():
+                return fn(*args, **kwargs)
+            declared = fields(*args, **kwargs)
+            if declared is not None:
+                group, values = declared
+                check_consistent(group, what, **values)
+            token = _inside_checked.set(True)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _inside_checked.reset(token)
+
+        return entry  # type: ignore[return-value]
+
+    return decorate
