@@ -112,8 +112,29 @@ def _hybrid_case() -> tuple[str, str] | None:
     def attn(q, k, v, mask):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    with consistency_checks():
-        return _caught(lambda: hybrid_attention(attn, q, q, q, mesh, 2))
+    from hyper_parallel.dtensor import consistency
+
+    comparisons: list[str] = []
+    gather = consistency._gather_signatures
+
+    def counted(mine: Any, group: Any, size: int) -> Any:
+        comparisons.append(sorted(mine)[0])
+        return gather(mine, group, size)
+
+    consistency._gather_signatures = counted  # type: ignore[assignment]
+    try:
+        with consistency_checks():
+            shape = _caught(lambda: hybrid_attention(attn, q, q, q, mesh, 2))
+            # a degree only one rank gets wrong: its own validation alone would leave the
+            # other ranks waiting in the first all-to-all
+            degree = _caught(lambda: hybrid_attention(attn, q[:, :2], q[:, :2], q[:, :2], mesh,
+                                                      3 if rank == 1 else 2))  # fmt: skip
+            comparisons.clear()
+            x = torch.ones(1, 2, 4, 3, dtype=torch.float64)
+            hybrid_attention(attn, x, x, x, mesh, 2)  # agrees: compared once, not per exchange
+    finally:
+        consistency._gather_signatures = gather  # type: ignore[assignment]
+    return shape, degree, len(comparisons)
 
 
 @pytest.mark.timeout(120)
@@ -123,7 +144,11 @@ def test_hybrid_attention_ranks_that_disagree_raise_on_every_rank():
     os.environ.pop("HP_CHECK_CONSISTENCY", None)
     results = run_distributed(_hybrid_case, 4, timeout=90)
     assert all(r == results[0] for r in results), results
-    field, msg = results[0]
+    shape, degree, comparisons = results[0]
+    assert comparisons == 1  # the 3 all-to-alls, 2 all-gathers and 1 inverse inside: none
+    field, msg = degree
+    assert field == "ulysses_degree" and "ranks [1]: 3" in msg, msg
+    field, msg = shape
     assert field == "k", msg  # q, k and v all differ: the first in name order is reported
     assert msg.startswith("hybrid_attention") and "ranks [0, 1, 2]: Tensor[1, 2, 4, 3]" in msg
     assert "ranks [3]: Tensor[1, 3, 4, 3]" in msg

@@ -29,7 +29,6 @@ from torch import Tensor
 from hyper_parallel.context_parallel.exchange import Exchange, ExchangeKind, blocking, launch, wait
 from hyper_parallel.context_parallel.transport import pending_collectives, resolve_group
 from hyper_parallel.dtensor import check_consistent
-from hyper_parallel.dtensor.consistency import consistency_enabled
 
 __all__ = [
     "CollectiveHandle",
@@ -103,9 +102,8 @@ def make_exchange(
         a = _norm_dim(a, x.dim(), "dim")
     else:
         a, b = _check_ulysses(x, a, b, g.size, "head" if kind == "s2h" else "seq")
-    if consistency_enabled():
-        dims = {"dim": a} if kind == "ag" else {"seq_dim": a, "head_dim": b}
-        check_consistent(g.pg, name, kind=kind, x=x, **dims, size=g.size)
+    dims = {"dim": a} if kind == "ag" else {"seq_dim": a, "head_dim": b}
+    check_consistent(g.pg, name, kind=kind, x=x, **dims, size=g.size)  # off: returns at once
     return Exchange(kind, g, a, b, name, owner)
 
 

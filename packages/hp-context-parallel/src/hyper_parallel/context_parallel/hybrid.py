@@ -19,9 +19,8 @@ from hyper_parallel.context_parallel.collectives import (
     ulysses_head_to_seq,
     ulysses_seq_to_head,
 )
-from hyper_parallel.dtensor import DeviceMesh, check_consistent, unflatten
+from hyper_parallel.dtensor import DeviceMesh, checked_entry, unflatten
 from hyper_parallel.dtensor.cache import WorldCache
-from hyper_parallel.dtensor.consistency import consistency_enabled
 
 __all__ = ["hybrid_attention", "hybrid_meshes"]
 
@@ -65,6 +64,18 @@ def hybrid_meshes(cp_mesh: DeviceMesh, ulysses_degree: int) -> tuple[DeviceMesh,
     return ulysses, gather
 
 
+def _hybrid_fields(
+    attn_fn: Any, q: Any, k: Any, v: Any, cp_mesh: Any, ulysses_degree: Any
+) -> tuple[Any, dict[str, Any]] | None:
+    """What :func:`hybrid_attention` compares (arguments only; a mesh that is not 1-D is
+    rejected by the body, alike on every rank)."""
+    if not isinstance(cp_mesh, DeviceMesh) or cp_mesh.ndim != 1:
+        return None
+    fields = {"q": q, "k": k, "v": v, "ulysses_degree": ulysses_degree, "cp_size": cp_mesh.size()}
+    return cp_mesh.get_group(0), fields
+
+
+@checked_entry("hybrid_attention", _hybrid_fields)
 def hybrid_attention(
     attn_fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
     q: Tensor,
@@ -82,11 +93,12 @@ def hybrid_attention(
     ``torch.nn.functional.scaled_dot_product_attention``. Keys past the query block are not
     gathered into the computation (causality), so ``Lk = (g + 1)·S/G`` on gather rank g.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the
-    sub-meshes are created and the first all-to-all, every rank of ``cp_mesh`` compares
-    ``q``, ``k``, ``v`` (shape, dtype, device type), ``ulysses_degree`` and the CP size.
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before
+    anything else (so before the sub-meshes are created and the first all-to-all), every rank
+    of ``cp_mesh`` compares ``q``, ``k``, ``v`` (shape, dtype, device type),
+    ``ulysses_degree`` and the CP size, once: the exchanges inside do not compare again.
     """
-    p = _check_degree(cp_mesh, ulysses_degree)
+    _check_degree(cp_mesh, ulysses_degree)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, S/P, H, d]")
@@ -94,11 +106,6 @@ def hybrid_attention(
             raise ValueError(f"{name} has shape {tuple(t.shape)}, q has {tuple(q.shape)}")
     if q.shape[2] % ulysses_degree:
         raise ValueError(f"heads ({q.shape[2]}) not divisible by ulysses_degree {ulysses_degree}")
-    if consistency_enabled():  # hybrid_meshes may create groups: check first
-        check_consistent(
-            cp_mesh.get_group(0), "hybrid_attention", q=q, k=k, v=v,
-            ulysses_degree=ulysses_degree, cp_size=p,
-        )  # fmt: skip
     umesh, gmesh = hybrid_meshes(cp_mesh, ulysses_degree)
     q_u = ulysses_seq_to_head(q, 1, 2, umesh)  # [B, S/G, H/U, d]
     k_u = ulysses_seq_to_head(k, 1, 2, umesh)
