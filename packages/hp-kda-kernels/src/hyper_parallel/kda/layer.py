@@ -224,13 +224,7 @@ def kda_context_parallel(
     length, or be empty) and ``initial_state`` (read on the first rank only). Ranks that
     disagree all raise ``InconsistentRanksError`` naming the field and the ranks.
     """
-    B, T, H, K, V = check_qkv(q, k, v, g, beta, initial_state)
-    check_chunk_size(chunk_size)
-    if backend == "triton" and (why := check_kernel_dims(K, V)):
-        raise ValueError(f"backend 'triton' does not support these dims: {why}")
-    dev_type = str(getattr(mesh, "device_type", "cpu"))
-    if q.device.type != dev_type:
-        raise ValueError(f"inputs on {q.device} but the mesh is a {dev_type!r} mesh")
+    B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state, chunk_size, backend, mesh)
     if consistency_enabled():
         tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
         options = {
@@ -241,8 +235,56 @@ def kda_context_parallel(
         _check_consistent_call(q, tensors, (B, H, K, V), mesh, options)
     if cu_seqlens is not None and packed is None:
         packed = packed_block(cu_seqlens, mesh, B, T, q.device, "kda_context_parallel")
-    resets = None if packed is None else packed.resets
     ex = executor_for(mesh, protocol, group_size, backend, cost_params)
+    return run_with_executor(
+        q, k, v, g, beta, ex, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, chunk_size=chunk_size, packed=packed,
+    )  # fmt: skip
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    chunk_size: int,
+    backend: str,
+    mesh: Any,
+) -> tuple[int, int, int, int, int]:
+    """The checks of one KDA call, before any communication: ``(B, T_r, H, K, V)``."""
+    B, T, H, K, V = check_qkv(q, k, v, g, beta, initial_state)
+    check_chunk_size(chunk_size)
+    if backend == "triton" and (why := check_kernel_dims(K, V)):
+        raise ValueError(f"backend 'triton' does not support these dims: {why}")
+    dev_type = str(getattr(mesh, "device_type", "cpu"))
+    if q.device.type != dev_type:
+        raise ValueError(f"inputs on {q.device} but the mesh is a {dev_type!r} mesh")
+    return B, T, H, K, V
+
+
+@without_autocast
+def run_with_executor(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ex: StateExchange,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    packed: PackedBlock | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`kda_context_parallel`'s computation on the executor ``ex`` the caller holds
+    (a ``parallelize_kda``-ed module keeps its own): inputs already checked
+    (:func:`check_inputs`), documents already placed (``packed``)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    resets = None if packed is None else packed.resets
     first = ex.position == 0
     last = ex.position == ex.world_size - 1
     if scale is None:

@@ -40,9 +40,9 @@ from hyper_parallel.dtensor.rewrite import (
     uninstall_forward,
 )
 
-from .exchange import PROTOCOLS
+from .exchange import PROTOCOLS, StateExchange
 from .halo import start_causal_conv_halo
-from .layer import executor_for, kda_context_parallel
+from .layer import _check_consistent_call, check_inputs, executor_for, run_with_executor
 from .packing import PackedBlock, packed_block
 
 __all__ = [
@@ -73,15 +73,20 @@ _ACTIVATIONS: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid,
 }
 _L2_EPS = 1e-6  # the eps of Kimi-Linear's q/k l2-norm: x / sqrt(Σx² + eps)
+_CHUNK = 64  # kda_context_parallel's default chunk size
 
 
 @dataclass(frozen=True)
 class _KDAState:
+    """What a rewritten forward reads: built once by :func:`parallelize_kda` (collectively, the
+    same on every rank), never looked up again per call."""
+
     mesh: Any
     protocol: str
     group_size: int | None
     layer_class: str
     activation: Callable[[torch.Tensor], torch.Tensor]
+    executor: StateExchange  # the state exchange every forward runs (and its backward)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -156,10 +161,17 @@ def _cp_forward(
         conv = rows[..., :0].to(weight.dtype)
     conv = state.activation(conv).to(mixed.dtype).transpose(1, 2)
     q, k, v = (t.reshape(heads) for t in conv.split(self.num_heads * self.head_dim, dim=-1))
-    o, _ = kda_context_parallel(
-        _l2norm(q.float()), _l2norm(k.float()), v, g, beta, state.mesh,
-        protocol=state.protocol, group_size=state.group_size, packed=packed,
-    )  # fmt: skip
+    q, k = _l2norm(q.float()), _l2norm(k.float())
+    ex = state.executor
+    dims = check_inputs(q, k, v, g, beta, None, _CHUNK, ex.backend, state.mesh)
+    if consistency_enabled():
+        tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+        options = {
+            "protocol": state.protocol, "group_size": state.group_size, "backend": ex.backend,
+            "scale": None, "chunk_size": _CHUNK, "output_final_state": False, "cost_params": None,
+        }  # fmt: skip
+        _check_consistent_call(q, tensors, (B, dims[2], dims[3], dims[4]), state.mesh, options)
+    o, _ = run_with_executor(q, k, v, g, beta, ex, chunk_size=_CHUNK, packed=packed)
     return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -209,7 +221,10 @@ def _make_forward(cls: type) -> Callable[..., torch.Tensor]:
     return forward
 
 
-def _validate(layer: nn.Module, cp_mesh: Any, protocol: Any, group_size: Any) -> _KDAState:
+def _validate(
+    layer: nn.Module, cp_mesh: Any, protocol: Any
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Every check of :func:`parallelize_kda` (before any communication); the activation."""
     module: Any = layer  # attributes checked below, by name
     if is_parallelized(module, LAYER):
         raise RuntimeError(
@@ -240,7 +255,7 @@ def _validate(layer: nn.Module, cp_mesh: Any, protocol: Any, group_size: Any) ->
             f"parallelize_kda: conv1d weight {tuple(weight.shape)} is not the depthwise "
             f"[{channels}, 1, {module.conv_kernel_size}] of q/k/v"
         )
-    return _KDAState(cp_mesh, protocol, group_size, name, _ACTIVATIONS[module.activation])
+    return _ACTIVATIONS[module.activation]
 
 
 def parallelize_kda(
@@ -255,7 +270,8 @@ def parallelize_kda(
     equals the serial gradient (parameters stay whole and replicated). ``protocol`` and
     ``group_size`` choose the state exchange (see :func:`build_state_exchange`); its executor
     (and the grouped sub-meshes) is built here, collectively, so call this on every rank in
-    the same order. Returns ``module``.
+    the same order, and the module keeps it: a forward neither builds nor looks up an
+    executor. Returns ``module``.
 
     Errors before any communication, leaving the module untouched: ``TypeError`` (a module
     other than :data:`SUPPORTED_KDA_CLASSES`, ``cp_mesh`` not a DeviceMesh), ``RuntimeError``
@@ -278,13 +294,15 @@ def parallelize_kda(
     ``W − 1``, the protocol, training mode and whether autograd records, before the halo
     exchange; the halo exchange and :func:`kda_context_parallel` then make their own checks.
     """
-    state = _validate(module, cp_mesh, protocol, group_size)
+    activation = _validate(module, cp_mesh, protocol)
     if consistency_enabled():  # building the executor may create sub-meshes (collective)
         check_consistent(
             cp_mesh.get_group(0), "parallelize_kda", protocol=protocol, group_size=group_size,
             module=type(module).__name__, layer=_layer_signature(module), cp_size=cp_mesh.size(),
         )  # fmt: skip
-    executor_for(cp_mesh, protocol, group_size, "auto", None)  # checks, then builds
+    # checks, then builds (or takes this world's executor for these options): once, here
+    executor = executor_for(cp_mesh, protocol, group_size, "auto", None)
+    state = _KDAState(cp_mesh, protocol, group_size, type(module).__name__, activation, executor)
     install_forward(module, LAYER, state, _make_forward, prefix="ContextParallel")
     return module
 
