@@ -10,6 +10,7 @@ from hyper_parallel.mc2.gated import gated_mlp
 from hyper_parallel.mc2.gated_style import MC2GatedMLPParallel
 from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel
 from hyper_parallel.mc2.npu_ops import NpuOps, TorchNpuOps, hccl_comm_name, use_npu_ops
+from hyper_parallel.mc2.parallelized import is_mc2_parallel, unparallelize_mc2
 from hyper_parallel.mc2.reference import (
     all_gather_matmul_reference,
     gated_mlp_reference,
@@ -32,9 +33,11 @@ __all__ = [
     "gated_mlp",
     "gated_mlp_reference",
     "hccl_comm_name",
+    "is_mc2_parallel",
     "matmul_reduce_scatter",
     "matmul_reduce_scatter_reference",
     "npu_constraint_failure",
     "select_backend",
+    "unparallelize_mc2",
     "use_npu_ops",
 ]

@@ -14,12 +14,19 @@ from torch.distributed.tensor import DTensor, Shard
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.amp import cast_for_autocast
 from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor.rewrite import (
+    install_forward,
+    is_parallelized,
+    parallel_state,
+    uninstall_forward,
+)
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
 from hyper_parallel.mc2.functional import _column, _row
 
 __all__ = ["MC2Linear", "MC2Parallel"]
 
 Mode = Literal["column", "row"]
+LAYER = "MC2Linear"  # the name MC2Linear's rewrite is installed under (hp-dtensor's rewrite)
 
 
 @dataclass(frozen=True)
@@ -35,11 +42,6 @@ class MC2Parallel:
     chunks: int | None = None
     #: when set, outputs are wrapped as DTensors on this 1-D mesh (``use_local_output=False``)
     output_mesh: Any = None
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        # Immutable, and the process group is a communicator handle that cannot be copied: a
-        # deep copy of a parallelized module runs on the same group.
-        return self
 
     def __post_init__(self) -> None:
         if self.mode not in ("column", "row"):
@@ -62,7 +64,19 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class MC2Linear(nn.Linear):
+class _MC2LinearType(type):
+    """``isinstance(m, MC2Linear)`` also holds for any ``nn.Linear`` that carries MC2Linear's
+    rewrite (an :class:`MC2ColwiseParallel` / :class:`MC2RowwiseParallel` output, or
+    :meth:`MC2Linear.from_linear`): its class is then a cached subclass of its own class
+    (hp-dtensor's ``rewrite``), not of ``MC2Linear``."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        if type.__instancecheck__(cls, obj):
+            return True
+        return cls is MC2Linear and isinstance(obj, nn.Module) and is_parallelized(obj, LAYER)
+
+
+class MC2Linear(nn.Linear, metaclass=_MC2LinearType):
     """``nn.Linear`` that, once given an :class:`MC2Parallel` (usually by
     :class:`MC2ColwiseParallel` / :class:`MC2RowwiseParallel`), runs as a fused/overlapped
     sequence+tensor parallel layer. Without one it computes exactly ``nn.Linear``.
@@ -72,14 +86,18 @@ class MC2Linear(nn.Linear):
     ``[..., S/ws, ..., out]``. The weight (and bias) are this rank's shards, as plain tensors
     or DTensors.
 
+    The parallel forward is installed with hp-dtensor's ``rewrite`` (``install_forward``, the
+    :class:`MC2Parallel` as its state): the module's class becomes a cached subclass of its own
+    class (``MC2Linear`` for an ``nn.Linear``), ``isinstance(module, MC2Linear)`` holds, a deep
+    copy shares the config (and so the process group), and
+    :func:`~hyper_parallel.mc2.unparallelize_mc2` undoes it.
+
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
     collective the ranks of the group compare the input (this rank's block: shape, dtype,
     device type), ``mode``, ``sequence_dim``, the weight and bias shards, the chosen backend,
     the chunk count and the group size (one collective; a DTensor input that must be
     redistributed first is compared, with its placements, before the redistribution).
     """
-
-    mc2: MC2Parallel | None
 
     def __init__(
         self,
@@ -92,113 +110,137 @@ class MC2Linear(nn.Linear):
         parallel: MC2Parallel | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.mc2 = parallel
+        if parallel is not None:
+            _install(self, parallel)
+
+    @property
+    def mc2(self) -> MC2Parallel | None:
+        """The :class:`MC2Parallel` this module runs with (``None``: plain ``nn.Linear``)."""
+        return cast("MC2Parallel | None", parallel_state(self, LAYER))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, parallel: MC2Parallel | None = None) -> MC2Linear:
-        """Turn ``linear`` into an ``MC2Linear`` in place (same object, same ``Parameter``
-        objects, hooks kept) and return it."""
+        """Make ``linear`` an ``MC2Linear`` in place (same object, same ``Parameter`` objects,
+        hooks kept) running ``parallel`` (``None``: still exactly ``nn.Linear``), replacing the
+        config it ran with before, and return it."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(
                 f"MC2Linear.from_linear needs an nn.Linear, got {type(linear).__name__}"
             )
-        converted = cast(MC2Linear, linear)
-        if not isinstance(linear, MC2Linear):
-            linear.__class__ = cls
-            converted.mc2 = None
-        if parallel is not None:
-            converted.mc2 = parallel
-        return converted
+        if is_parallelized(linear, LAYER):
+            if parallel is None:
+                return cast(MC2Linear, linear)
+            uninstall_forward(linear, LAYER)
+        elif type.__instancecheck__(MC2Linear, linear) and parallel is None:
+            return linear
+        _install(linear, parallel)
+        return cast(MC2Linear, linear)
 
     def extra_repr(self) -> str:
-        base = super().extra_repr()
-        if self.mc2 is None:
-            return base
-        cfg = self.mc2
-        return (
-            f"{base}, mode={cfg.mode}, sequence_dim={cfg.sequence_dim}, backend={cfg.backend}, "
-            f"chunks={cfg.chunks}"
-        )
+        return _extra_repr(self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        cfg = self.mc2
-        if cfg is None:
-            return F.linear(input, self.weight, self.bias)
-        x = input
-        what = f"MC2Linear ({cfg.mode})"
-        if isinstance(x, DTensor):
-            # Bring a DTensor input to the layout this mode consumes, then work on its shard.
-            d = x.dim()
-            if d >= 2 and -d <= cfg.sequence_dim < d:
-                want = Shard(cfg.sequence_dim % d) if cfg.mode == "column" else Shard(d - 1)
-                if tuple(x.placements) != (want,):
-                    if consistency_enabled():  # the redistribution is a collective
-                        check_consistent(
-                            cfg.group, what, input=x, placements=tuple(x.placements),
-                            mode=cfg.mode, sequence_dim=cfg.sequence_dim,
-                        )  # fmt: skip
-                    x = x.redistribute(placements=[want])
-            x = x.to_local()
-        weight, bias = _local(self.weight), _local(self.bias)
-        assert weight is not None
-        # under autocast: the dtypes F.linear would compute in (see hyper_parallel.dtensor.amp)
-        x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
-        ws = dist.get_world_size(cfg.group)
-        seq = self._check_input(x, weight, bias, cfg, ws)
-        # Sequence first, so flattening puts each rank's tokens in one contiguous row block.
-        xs = x.movedim(seq, 0)
-        lead = xs.shape[:-1]
-        x2 = xs.reshape(-1, xs.shape[-1])
-        context = (
-            {"input": x, "mode": cfg.mode, "sequence_dim": seq} if consistency_enabled() else None
-        )
-        if cfg.mode == "column":
-            y2 = _column(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks, context, what)
-            out_lead = (lead[0] * ws, *lead[1:])
-        else:
-            y2 = _row(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks, context, what)
-            out_lead = (lead[0] // ws, *lead[1:])
-        y = y2.view(*out_lead, y2.shape[-1]).movedim(0, seq)
-        if cfg.output_mesh is not None:
-            placement = Shard(y.dim() - 1) if cfg.mode == "column" else Shard(seq)
-            y = DTensor.from_local(y, cfg.output_mesh, [placement], run_check=False)
-        return y
+        return _forward(self, input)
 
-    @staticmethod
-    def _check_input(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        cfg: MC2Parallel,
-        ws: int,
-    ) -> int:
-        """Local checks the same on every rank, before any communication; returns the
-        normalised sequence dim."""
-        if x.dim() < 2:
-            raise ValueError(
-                f"MC2Linear ({cfg.mode}) needs an input with a sequence dim and a feature dim, "
-                f"got shape {tuple(x.shape)}"
-            )
+
+def _install(module: nn.Linear, parallel: MC2Parallel | None) -> None:
+    install_forward(module, LAYER, parallel, _make_forward, prefix="MC2")
+
+
+def _make_forward(original: type) -> Any:
+    return _forward
+
+
+def _extra_repr(module: nn.Linear) -> str:
+    base = nn.Linear.extra_repr(module)
+    cfg = cast("MC2Parallel | None", parallel_state(module, LAYER))
+    if cfg is None:
+        return base
+    return (
+        f"{base}, mode={cfg.mode}, sequence_dim={cfg.sequence_dim}, backend={cfg.backend}, "
+        f"chunks={cfg.chunks}"
+    )
+
+
+def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """The forward of an :class:`MC2Linear`: ``nn.Linear``'s without a config, else the
+    column/row dual over the config's group."""
+    cfg = cast("MC2Parallel | None", parallel_state(self, LAYER))
+    if cfg is None:
+        return F.linear(input, self.weight, self.bias)
+    x = input
+    what = f"MC2Linear ({cfg.mode})"
+    if isinstance(x, DTensor):
+        # Bring a DTensor input to the layout this mode consumes, then work on its shard.
         d = x.dim()
-        if not -d <= cfg.sequence_dim < d or cfg.sequence_dim % d == d - 1:
-            raise ValueError(
-                f"sequence_dim={cfg.sequence_dim} is out of range for a {x.dim()}-D input "
-                f"{tuple(x.shape)} (the last dim holds the features)"
-            )
-        seq = cfg.sequence_dim % x.dim()
-        if x.shape[-1] != weight.shape[1]:
-            raise ValueError(
-                f"MC2Linear ({cfg.mode}): input has {x.shape[-1]} features but the local weight "
-                f"is {tuple(weight.shape)} ([out, in])"
-            )
-        if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
-            raise TypeError(
-                f"MC2Linear ({cfg.mode}): input is {dtype_name(x.dtype)} but the weight/bias "
-                f"are {dtype_name(weight.dtype)}; cast the module or the input"
-            )
-        if cfg.mode == "row" and x.shape[seq] % ws:
-            raise ValueError(
-                f"MC2Linear (row): sequence length {x.shape[seq]} (dim {seq}) is not divisible "
-                f"by the tensor-parallel size {ws}"
-            )
-        return seq
+        if d >= 2 and -d <= cfg.sequence_dim < d:
+            want = Shard(cfg.sequence_dim % d) if cfg.mode == "column" else Shard(d - 1)
+            if tuple(x.placements) != (want,):
+                if consistency_enabled():  # the redistribution is a collective
+                    check_consistent(
+                        cfg.group, what, input=x, placements=tuple(x.placements),
+                        mode=cfg.mode, sequence_dim=cfg.sequence_dim,
+                    )  # fmt: skip
+                x = x.redistribute(placements=[want])
+        x = x.to_local()
+    weight, bias = _local(self.weight), _local(self.bias)
+    assert weight is not None
+    # under autocast: the dtypes F.linear would compute in (see hyper_parallel.dtensor.amp)
+    x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
+    ws = dist.get_world_size(cfg.group)
+    seq = _check_input(x, weight, bias, cfg, ws)
+    # Sequence first, so flattening puts each rank's tokens in one contiguous row block.
+    xs = x.movedim(seq, 0)
+    lead = xs.shape[:-1]
+    x2 = xs.reshape(-1, xs.shape[-1])
+    context = {"input": x, "mode": cfg.mode, "sequence_dim": seq} if consistency_enabled() else None
+    if cfg.mode == "column":
+        y2 = _column(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks, context, what)
+        out_lead = (lead[0] * ws, *lead[1:])
+    else:
+        y2 = _row(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks, context, what)
+        out_lead = (lead[0] // ws, *lead[1:])
+    y = y2.view(*out_lead, y2.shape[-1]).movedim(0, seq)
+    if cfg.output_mesh is not None:
+        placement = Shard(y.dim() - 1) if cfg.mode == "column" else Shard(seq)
+        y = DTensor.from_local(y, cfg.output_mesh, [placement], run_check=False)
+    return y
+
+
+def _check_input(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: MC2Parallel,
+    ws: int,
+) -> int:
+    """Local checks the same on every rank, before any communication; returns the
+    normalised sequence dim."""
+    if x.dim() < 2:
+        raise ValueError(
+            f"MC2Linear ({cfg.mode}) needs an input with a sequence dim and a feature dim, "
+            f"got shape {tuple(x.shape)}"
+        )
+    d = x.dim()
+    if not -d <= cfg.sequence_dim < d or cfg.sequence_dim % d == d - 1:
+        raise ValueError(
+            f"sequence_dim={cfg.sequence_dim} is out of range for a {x.dim()}-D input "
+            f"{tuple(x.shape)} (the last dim holds the features)"
+        )
+    seq = cfg.sequence_dim % x.dim()
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"MC2Linear ({cfg.mode}): input has {x.shape[-1]} features but the local weight "
+            f"is {tuple(weight.shape)} ([out, in])"
+        )
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(
+            f"MC2Linear ({cfg.mode}): input is {dtype_name(x.dtype)} but the weight/bias "
+            f"are {dtype_name(weight.dtype)}; cast the module or the input"
+        )
+    if cfg.mode == "row" and x.shape[seq] % ws:
+        raise ValueError(
+            f"MC2Linear (row): sequence length {x.shape[seq]} (dim {seq}) is not divisible "
+            f"by the tensor-parallel size {ws}"
+        )
+    return seq
