@@ -29,7 +29,13 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed, run_markdown_example
-from hyper_parallel.models import gather_sequence, parallelize_model, shard_batch, sync_gradients
+from hyper_parallel.models import (
+    gather_sequence,
+    is_model_parallelized,
+    parallelize_model,
+    shard_batch,
+    sync_gradients,
+)
 from hyper_parallel.models.fsdp import fsdp_available
 from hyper_parallel.models.testing import random_batch, tiny_model
 
@@ -98,7 +104,7 @@ def _forward_backward(model: Any, batch: dict, amp: torch.dtype | None, whole: A
     for h in handles:
         h.remove()
     out.loss.backward()
-    sync_gradients(model) if hasattr(model, "_hp_models_plan") else None
+    sync_gradients(model) if is_model_parallelized(model) else None
     res = _results(out, model, whole)
     res["dtypes"] = seen
     return res
@@ -258,7 +264,7 @@ def _refused() -> dict[str, Any]:
             parallelize_model(model, mesh, **kwargs)
             out[case] = None
         except (TypeError, ValueError) as exc:
-            untouched = getattr(model, "_hp_models_plan", None) is None
+            untouched = not is_model_parallelized(model)
             out[case] = (type(exc).__name__, str(exc), untouched)
     return out
 

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
+from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.models import clip_grad_norm_, parallelize_model, shard_batch, sync_gradients
 from hyper_parallel.models.testing import random_batch, tiny_model
@@ -60,7 +61,8 @@ def _clip_cases(cp, tp, cases):
                     atol=2e-7,
                     msg=lambda m, n=n, c=(kind, reduction, norm_type): f"{c} grad of {n}: {m}",
                 )
-            report.append((kind, model._hp_models_plan.grad_reduction, norm_type, norm.item()))
+            reduced = parallel_state(model, "hp-models").grad_reduction
+            report.append((kind, reduced, norm_type, norm.item()))
     return report
 
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
+from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.models import clip_grad_norm_, parallelize_model, shard_batch, sync_gradients
 from hyper_parallel.models.testing import import_transformers, random_batch, tiny_model
@@ -114,7 +115,7 @@ def _train(dp, cp, tp, cases, tmp):
             report["failed_save"] = None if exc is None else type(exc).__name__
         report[kind] = {
             "losses": losses,
-            "reduction": model._hp_models_plan.grad_reduction,
+            "reduction": parallel_state(model, "hp-models").grad_reduction,
             "flops_share": flops * dp * cp * tp / serial_flops,
         }
     return report

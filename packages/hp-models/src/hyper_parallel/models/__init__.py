@@ -15,7 +15,8 @@ from hyper_parallel.models.families import supported_classes
 from hyper_parallel.models.grads import sync_gradients
 from hyper_parallel.models.loss import global_mean_loss
 from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
-from hyper_parallel.models.parallelize import ParallelPlan, parallelize_model
+from hyper_parallel.models.parallelize import parallelize_model
+from hyper_parallel.models.plan import ParallelPlan, is_model_parallelized
 
 __all__ = [
     "IGNORE_INDEX",
@@ -25,6 +26,7 @@ __all__ = [
     "clip_grad_norm_",
     "gather_sequence",
     "global_mean_loss",
+    "is_model_parallelized",
     "parallelize_model",
     "sequence_mesh",
     "shard_batch",

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyper_parallel.models.plan import plan_of
+
 __all__ = ["install_save_pretrained", "save_pretrained"]
 
 
@@ -61,7 +63,7 @@ def save_pretrained(
     kwargs.pop("is_main_process", None)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    plan = model._hp_models_plan  # type: ignore[attr-defined]
+    plan = plan_of(model, "save_pretrained")
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from hyper_parallel.models.plan import plan_of
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -70,9 +72,7 @@ def clip_grad_norm_(
     ``norm_type``; ``ValueError`` for a gradient left ``Partial`` (not reduced). With
     ``error_if_nonfinite``, ``RuntimeError`` on every rank when the total is nan or inf.
     """
-    plan = getattr(model, "_hp_models_plan", None)
-    if plan is None:
-        raise RuntimeError("clip_grad_norm_ needs a model parallelised by parallelize_model")
+    plan_of(model, "clip_grad_norm_")
     p = _check_norm_type(norm_type)
     inf = math.isinf(p)
     params = [q for q in model.parameters() if q.requires_grad]

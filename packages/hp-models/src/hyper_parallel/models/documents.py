@@ -8,7 +8,7 @@ flash-attention offsets ``[0, …, T]``) and ``max_length_q``/``max_length_k``.
 :func:`~hyper_parallel.models.shard_batch` reads the documents from the full batch
 (:func:`packed_documents`: a document starts at 0 and wherever a position is not its
 predecessor's plus one) and hands every rank the global offsets as ``cu_seqlens``; the
-parallelised model's forward (:func:`with_documents`) passes them to every layer: the KDA
+parallelised model's forward (:func:`pass_documents`) passes them to every layer: the KDA
 layers (``parallelize_kda``: recurrence and short convolution restart at each start) and the
 MLA layers (``parallelize_mla``: document-causal attention after the exchange); a DeepSeek-V3
 model gets the block's plain causal mask, so Hugging Face does not build its own packed mask
@@ -18,14 +18,12 @@ result equals the serial model run on each document alone: loss, logits and grad
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["TABLE_KEYS", "document_positions", "packed_documents", "with_documents"]
+__all__ = ["TABLE_KEYS", "document_positions", "packed_documents", "pass_documents"]
 
 TABLE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """Hugging Face's flash-attention packing keys, accepted by ``shard_batch``."""
@@ -91,26 +89,22 @@ def packed_documents(
     return torch.tensor(offsets, dtype=torch.int64, device=batch["input_ids"].device), pos
 
 
-def with_documents(forward: Callable[..., Any], family: str) -> Callable[..., Any]:
-    """The model's bound ``forward`` that, given ``cu_seqlens`` (from ``shard_batch``) or HF's
-    ``cu_seq_lens_q`` / ``cu_seq_lens_k``, hands the documents to every layer as
-    ``cu_seqlens`` (the ``max_length_*`` hints are dropped) and, for DeepSeek-V3, passes the
-    block's plain causal mask (see the module docstring). Bound to the same model, so
-    ``__self__`` and its ``config`` stay reachable."""
-
-    def packed_forward(self: Any, **kwargs: Any) -> Any:
-        table = kwargs.pop("cu_seqlens", None)
-        for key in TABLE_KEYS:
-            value = kwargs.pop(key, None)
-            if key.startswith("cu_") and table is None:
-                table = value
-        if table is not None:
-            kwargs["cu_seqlens"] = table
-            ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-            if family == "deepseek-v3" and isinstance(ids, Tensor):
-                s = ids.shape[1]
-                causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-                kwargs["attention_mask"] = causal[None, None]
-        return forward(**kwargs)
-
-    return types.MethodType(packed_forward, getattr(forward, "__self__", None))
+def pass_documents(kwargs: dict[str, Any], family: str) -> dict[str, Any]:
+    """The keyword arguments of a parallelised model's call with the documents handed to every
+    layer: given ``cu_seqlens`` (from ``shard_batch``) or HF's ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k``, the table goes on as ``cu_seqlens`` (the ``max_length_*`` hints are
+    dropped) and, for DeepSeek-V3, the block's plain causal mask ``[1, 1, S, S]`` is passed
+    (see the module docstring). ``kwargs`` is updated in place and returned."""
+    table = kwargs.pop("cu_seqlens", None)
+    for key in TABLE_KEYS:
+        value = kwargs.pop(key, None)
+        if key.startswith("cu_") and table is None:
+            table = value
+    if table is not None:
+        kwargs["cu_seqlens"] = table
+        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if family == "deepseek-v3" and isinstance(ids, Tensor):
+            s = ids.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+            kwargs["attention_mask"] = causal[None, None]
+    return kwargs

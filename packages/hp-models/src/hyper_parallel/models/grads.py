@@ -36,6 +36,7 @@ from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import SequenceMesh, reduction_scope
+from hyper_parallel.models.plan import plan_of
 
 __all__ = ["sync_gradients"]
 
@@ -65,9 +66,7 @@ def sync_gradients(model: nn.Module) -> None:
     :func:`~hyper_parallel.models.parallelize_model`. Consistency mode
     (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): the ranks first compare the
     trainable parameters (local shapes, dtypes) and the reduction."""
-    plan = getattr(model, "_hp_models_plan", None)
-    if plan is None:
-        raise RuntimeError("sync_gradients needs a model parallelised by parallelize_model")
+    plan = plan_of(model, "sync_gradients")
     if plan.grad_reduction == "fsdp":
         return  # FSDP2 summed the gradients during backward (reduce-scatter, divide factor 1)
     sm: SequenceMesh = plan.mesh

@@ -11,6 +11,7 @@ parameter gradients over ranks they equal the serial ones.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,9 @@ from torch import Tensor
 from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.models.batch import IGNORE_INDEX
+from hyper_parallel.models.documents import pass_documents
 from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
+from hyper_parallel.models.plan import plan_of
 
 __all__ = ["global_loss", "global_mean_loss", "parallel_forward", "refuse_generate"]
 
@@ -169,26 +172,42 @@ def check_call_consistent(kwargs: dict[str, Any], sm: SequenceMesh, has_loss: bo
     )
 
 
-def parallel_forward(
-    original: Callable[..., Any], sm: SequenceMesh, has_loss: bool, mask_override: Any
-) -> Callable[..., Any]:
-    """Wrap a model's bound ``forward`` (see the module docstring). The loss is made global
-    in both of Hugging Face's output forms: ``out.loss``, and the first element of the tuple
-    that ``return_dict=False`` returns when labels are given."""
+def _mask(family: str) -> dict[str, Any] | None:
+    # Kimi-Linear's model takes a ready {layer type: mask} mapping: no mask is needed under
+    # context parallelism (causal order is kept by the schedules), so none is built
+    if family == "kimi-linear":
+        return {"full_attention": None, "linear_attention": None}
+    return None
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+
+def parallel_forward(model_class: type) -> Callable[..., Any]:
+    """The parallelised model's ``forward``, for hp-dtensor's ``install_forward``: it wraps
+    ``model_class``'s own ``forward``; the mesh and options come from the
+    model's :class:`~hyper_parallel.models.ParallelPlan` (its rewrite state), so one function
+    serves every model of a class (see the module docstring). The loss is made global in
+    both of Hugging Face's output forms: ``out.loss``, and the first element of the tuple that
+    ``return_dict=False`` returns when labels are given."""
+
+    original = model_class.forward
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = plan_of(self, "the parallelised forward")
+        sm, has_loss = plan.mesh, plan.has_loss
         _check_call(args, kwargs, has_loss)
         check_call_consistent(kwargs, sm, has_loss)
         kwargs["use_cache"] = False
-        if mask_override is not None:
-            kwargs["attention_mask"] = mask_override()
+        mask = _mask(plan.family)
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+        pass_documents(kwargs, plan.family)  # packed documents to every layer
         targets = kwargs.get("shift_labels") if has_loss else None
         if targets is not None and kwargs.get("labels") is not None:
             count = (targets != IGNORE_INDEX).sum()  # int64: the loss keeps its dtype
             if sm.batch.size() > 1:
                 dist.all_reduce(count, group=sm.batch.get_group())
             kwargs["num_items_in_batch"] = count
-        out = original(**kwargs)
+        out = original(self, **kwargs)
         if targets is None or kwargs.get("labels") is None:
             return out
         if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...)

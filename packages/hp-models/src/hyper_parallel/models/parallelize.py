@@ -19,8 +19,6 @@ Every rank computes a distinct share of every block: no mixer is run twice acros
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -29,14 +27,15 @@ from torch.distributed.tensor.parallel import parallelize_module
 from hyper_parallel.context_parallel import STRATEGIES, parallelize_mla
 from hyper_parallel.dtensor import DeviceMesh, check_consistent
 from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized
 from hyper_parallel.kda import PROTOCOLS, parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
 from hyper_parallel.models.checkpoint import install_save_pretrained
-from hyper_parallel.models.documents import with_documents
 from hyper_parallel.models.families import ModelFamily, family_of, role_of
 from hyper_parallel.models.fsdp import apply_fsdp, check_mp_policy, fsdp_available
 from hyper_parallel.models.loss import parallel_forward, refuse_generate
-from hyper_parallel.models.mesh import SequenceMesh, check_mesh, cp_tp, sequence_mesh
+from hyper_parallel.models.mesh import check_mesh, cp_tp, sequence_mesh
+from hyper_parallel.models.plan import LAYER, ParallelPlan
 
 __all__ = ["ParallelPlan", "parallelize_model"]
 
@@ -44,16 +43,6 @@ __all__ = ["ParallelPlan", "parallelize_model"]
 _MLA_STRATEGIES = STRATEGIES
 _KDA_PROTOCOLS = PROTOCOLS
 GRAD_REDUCTIONS = ("auto", "fsdp", "allreduce")
-
-
-@dataclass
-class ParallelPlan:
-    """What :func:`parallelize_model` did to a model (``model._hp_models_plan``)."""
-
-    family: str
-    mesh: SequenceMesh
-    grad_reduction: str  # "fsdp" or "allreduce"
-    roles: dict[str, str] = field(default_factory=dict)  # module path -> mla/kda/dense_mlp/moe
 
 
 def _layers(base: nn.Module) -> list[nn.Module]:
@@ -79,8 +68,13 @@ def _validate(
     grad_reduction: str,
 ) -> tuple[ModelFamily, nn.Module, dict[str, str]]:
     """Every check, collective-free and identical on every rank."""
-    if getattr(model, "_hp_models_plan", None) is not None:
+    if is_parallelized(model, LAYER):
         raise RuntimeError("parallelize_model was already applied to this model")
+    if is_parallelized(model):
+        raise RuntimeError(
+            f"parallelize_model: this {type(model).__name__} was already parallelized by "
+            "another layer"
+        )
     fam, base = family_of(model)
     check_mesh(mesh)
     if mla_strategy not in _MLA_STRATEGIES:
@@ -110,14 +104,6 @@ def _validate(
         roles[f"layers.{i}.self_attn"] = attn_role
         roles[f"layers.{i}.mlp"] = role_of(layer.get_submodule("mlp"), fam)
     return fam, base, roles
-
-
-def _mask_override(fam: ModelFamily) -> Callable[[], Any] | None:
-    # Kimi-Linear's model takes a ready {layer type: mask} mapping: no mask is needed under
-    # context parallelism (causal order is kept by the schedules), so none is built
-    if fam.name == "kimi-linear":
-        return lambda: {"full_attention": None, "linear_attention": None}
-    return None
 
 
 def parallelize_model(
@@ -206,13 +192,13 @@ def parallelize_model(
             parallelize_kda(block, sm.flat, protocol=kda_protocol)
         elif role == "dense_mlp":
             parallelize_module(block, sm.tp, MC2GatedMLPParallel())
-    has_loss = base is not model
-    forward = with_documents(model.forward, fam.name)  # packed documents to every layer
-    model.forward = parallel_forward(forward, sm, has_loss, _mask_override(fam))  # type: ignore[method-assign]
+    plan = ParallelPlan(fam.name, sm, grad_reduction, roles, has_loss=base is not model)
+    # the class keeps its name: Hugging Face derives the saved `architectures` and the loss
+    # type from it
+    install_forward(model, LAYER, plan, parallel_forward, prefix="")
     if hasattr(model, "generate"):  # decoding is not split: refuse before any communication
         model.generate = refuse_generate  # type: ignore[method-assign,assignment]
     install_save_pretrained(model)  # a plain HF folder from one rank (gathered)
     if grad_reduction == "fsdp":
         apply_fsdp(model, base, roles, sm, mp_policy)
-    model._hp_models_plan = ParallelPlan(fam.name, sm, grad_reduction, roles)  # type: ignore[assignment]
     return model

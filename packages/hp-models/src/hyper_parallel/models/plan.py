@@ -1,0 +1,50 @@
+"""What :func:`~hyper_parallel.models.parallelize_model` leaves on a model: its plan.
+
+The model-level forward is installed with hp-dtensor's rewrite (``install_forward``, layer
+name :data:`LAYER`), like every layer's: the model's class becomes a cached subclass whose
+``forward`` is the parallel one, and the :class:`ParallelPlan` is the rewrite's state object
+(``hyper_parallel.dtensor.parallel_state(model, "hp-models")``). Everything that acts on a
+parallelised model (its forward, ``sync_gradients``, ``clip_grad_norm_``, ``save_pretrained``)
+reads the plan from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from hyper_parallel.dtensor.rewrite import is_parallelized, parallel_state
+from hyper_parallel.models.mesh import SequenceMesh
+
+__all__ = ["LAYER", "ParallelPlan", "is_model_parallelized", "plan_of"]
+
+LAYER = "hp-models"
+"""The rewrite's layer name of a model parallelised by ``parallelize_model``."""
+
+
+@dataclass
+class ParallelPlan:
+    """What :func:`~hyper_parallel.models.parallelize_model` did to a model: the state of its
+    rewrite (``parallel_state(model, "hp-models")``). ``has_loss``: the model computes a loss
+    (a ``*ForCausalLM``, not a base model)."""
+
+    family: str
+    mesh: SequenceMesh
+    grad_reduction: str  # "fsdp" or "allreduce"
+    roles: dict[str, str] = field(default_factory=dict)  # module path -> mla/kda/dense_mlp/moe
+    has_loss: bool = True
+
+
+def is_model_parallelized(model: nn.Module) -> bool:
+    """Whether ``model`` was parallelised by :func:`~hyper_parallel.models.parallelize_model`
+    (a deep copy of such a model is too: it shares the plan, meshes and groups)."""
+    return is_parallelized(model, LAYER)
+
+
+def plan_of(model: nn.Module, what: str) -> ParallelPlan:
+    """The plan of a parallelised ``model``; ``RuntimeError`` naming ``what`` otherwise."""
+    plan = parallel_state(model, LAYER)
+    if not isinstance(plan, ParallelPlan):
+        raise RuntimeError(f"{what} needs a model parallelised by parallelize_model")
+    return plan
