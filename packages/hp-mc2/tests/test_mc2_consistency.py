@@ -126,3 +126,67 @@ def test_disagreeing_ranks_raise_on_every_rank_and_consistent_calls_still_run():
     for r in results:
         assert r["consistent_shape"] == (2, 3, D)
         assert r["off_err"] < 1e-5
+
+
+def _count_checks() -> dict[str, Any]:
+    """Per public call with the checks on: how many signature comparisons ran (each is one
+    pair of all-gathers), counted by wrapping the real comparison."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import hyper_parallel.dtensor.consistency as consistency
+
+    rank = torch.distributed.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    real, calls = consistency._gather_signatures, []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    consistency._gather_signatures = counting  # type: ignore[assignment]
+    counts: dict[str, Any] = {}
+
+    def count(name: str, fn: Any) -> None:
+        calls.clear()
+        fn()
+        counts[name] = len(calls)
+
+    try:
+        with consistency_checks():
+            x, w = seeded(1, 4, D), seeded(2, F, D)
+            count("all_gather_matmul", lambda: all_gather_matmul(x, w))
+            count("matmul_reduce_scatter", lambda: matmul_reduce_scatter(seeded(3, 4, D), w))
+            gw, uw, dw = seeded(6, F, D), seeded(7, F, D), seeded(8, D, F)
+            count("gated_mlp", lambda: gated_mlp(x, gw, uw, dw, act_fn=torch.sigmoid))
+            lin = nn.Linear(D, 2 * F)
+            count("style", lambda: parallelize_module(lin, mesh, MC2ColwiseParallel()))
+            xb = seeded(9, 2, 3, D)
+            count("linear_forward", lambda: lin(xb))
+            X = seeded(10, 2, 6, D)
+            rep = DTensor.from_local(X, mesh, [Replicate()], run_check=False)
+            count("linear_dtensor_forward", lambda: lin(rep))  # redistributes first
+            g = _Gated()
+            count("gated_style", lambda: parallelize_module(g, mesh, MC2GatedMLPParallel()))
+            count("gated_forward", lambda: g(xb))
+            # a replicated DTensor input whose global shapes differ: caught before the
+            # redistribution (the first collective)
+            bad = DTensor.from_local(seeded(11, 2, 6 + 2 * rank, D), mesh, [Replicate()],
+                                     run_check=False)  # fmt: skip
+            counts["dtensor_caught"] = _caught(lambda: lin(bad))
+        # checks off: no comparison at all
+        count("off", lambda: lin(xb))
+    finally:
+        consistency._gather_signatures = real  # type: ignore[assignment]
+    return counts
+
+
+@pytest.mark.timeout(90)
+def test_each_public_call_is_checked_once_even_when_it_calls_another_entry_point():
+    os.environ.pop("HP_CHECK_CONSISTENCY", None)
+    results = run_distributed(_count_checks, 2, timeout=TIMEOUT)
+    assert_same_inconsistency(results, {"dtensor_caught": ("input", "MC2Linear (column)")})
+    for r in results:
+        caught = r.pop("dtensor_caught")
+        assert "DTensor[2, 6, 8]" in caught[1] and "DTensor[2, 8, 8]" in caught[1]
+        assert r.pop("off") == 0
+        assert r == dict.fromkeys(r, 1) and len(r) == 8, r

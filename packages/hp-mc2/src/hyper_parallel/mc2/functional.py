@@ -22,9 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.amp import autocast_off, cast_for_autocast, without_autocast
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.mc2._chunked import (
     gather_matmuls,
     matmul_reduce_scatter_bwd,
@@ -173,24 +172,42 @@ def _prepare(
     bias: torch.Tensor | None,
     backend: str,
     chunks: int | None,
-    context: dict[str, Any] | None = None,
-    what: str | None = None,
 ) -> tuple[str, int]:
-    """Validate, choose the backend and the chunk count, and (consistency mode on) check that
-    every rank of ``group`` made the same choices for same-shaped operands (``context``: the
-    calling module's own fields, compared in the same one collective)."""
+    """Validate (local, the same on every rank for same-shaped operands), choose the backend
+    and the chunk count."""
     ws = dist.get_world_size(group)
     validate_operands(op, x, weight, bias, ws, backend, chunks)
     choice, _ = select_backend(op, x, weight, group, backend=backend)
     if chunks is None:
         rows = x.shape[0] if op == "all_gather_matmul" else x.shape[0] // ws
         chunks = default_chunks(rows, x.shape[1], weight.shape[0], ws, x.device.type)
-    if consistency_enabled():
-        check_consistent(
-            group, what or op, **(context or {}), x=x, weight=weight, bias=bias, backend=choice,
-            chunks=chunks, world_size=ws,
-        )  # fmt: skip
     return choice, chunks
+
+
+def dual_fields(
+    op: Any,
+    x: Any,
+    weight: Any,
+    group: Any,
+    bias: Any,
+    backend: str,
+    chunks: int | None,
+) -> dict[str, Any]:
+    """What the ranks compare for one dual (consistency mode): the operands as the dual sees
+    them (under autocast: cast), the chosen backend, the chunk count and the group size. Never
+    raises: operands the dual will reject give ``"<ErrorType>"`` as the choice (the body then
+    raises the same error on every rank that agreed)."""
+    ws: Any = None
+    try:
+        ws = dist.get_world_size(group)
+        x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
+        choice, chunks = _prepare(op, x, weight, group, bias, backend, chunks)
+    except Exception as exc:  # rejected by the body, after the comparison
+        choice = f"<{type(exc).__name__}>"
+    return {
+        "x": x, "weight": weight, "bias": bias, "backend": choice, "chunks": chunks,
+        "world_size": ws,
+    }  # fmt: skip
 
 
 def _column(
@@ -200,13 +217,9 @@ def _column(
     bias: torch.Tensor | None,
     backend: str,
     chunks: int | None,
-    context: dict[str, Any] | None = None,
-    what: str | None = None,
 ) -> torch.Tensor:
     x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
-    choice, chunks = _prepare(
-        "all_gather_matmul", x, weight, group, bias, backend, chunks, context, what
-    )
+    choice, chunks = _prepare("all_gather_matmul", x, weight, group, bias, backend, chunks)
     with autocast_off(x.device.type):
         return _AllGatherMatmul.apply(x, weight, bias, group, choice, chunks)
 
@@ -218,17 +231,29 @@ def _row(
     bias: torch.Tensor | None,
     backend: str,
     chunks: int | None,
-    context: dict[str, Any] | None = None,
-    what: str | None = None,
 ) -> torch.Tensor:
     x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
-    choice, chunks = _prepare(
-        "matmul_reduce_scatter", x, weight, group, bias, backend, chunks, context, what
-    )
+    choice, chunks = _prepare("matmul_reduce_scatter", x, weight, group, bias, backend, chunks)
     with autocast_off(x.device.type):
         return _MatmulReduceScatter.apply(x, weight, bias, group, choice, chunks)
 
 
+def _fields_of(op: str) -> Any:
+    def fields(
+        x: Any,
+        weight: Any,
+        group: Any = None,
+        *,
+        bias: Any = None,
+        backend: str = "auto",
+        chunks: int | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        return group, dual_fields(op, x, weight, group, bias, backend, chunks)
+
+    return fields
+
+
+@checked_entry("all_gather_matmul", _fields_of("all_gather_matmul"))
 def all_gather_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -263,6 +288,7 @@ def all_gather_matmul(
     return _column(x, weight, group, bias, backend, chunks)
 
 
+@checked_entry("matmul_reduce_scatter", _fields_of("matmul_reduce_scatter"))
 def matmul_reduce_scatter(
     x: torch.Tensor,
     weight: torch.Tensor,

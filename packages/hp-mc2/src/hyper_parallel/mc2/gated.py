@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.amp import autocast_off, cast_for_autocast, without_autocast
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.mc2._chunked import Splits, _Gather, splits
 from hyper_parallel.mc2._collectives import all_gather_async, reduce_scatter_async
 from hyper_parallel.mc2.activation import check_elementwise_activation
@@ -42,7 +41,13 @@ from hyper_parallel.mc2.backend import (
 )
 from hyper_parallel.mc2.npu_ops import current_npu_ops
 
-__all__ = ["gated_mlp", "run_gated_mlp", "select_gated_backend", "validate_gated_operands"]
+__all__ = [
+    "gated_fields",
+    "gated_mlp",
+    "run_gated_mlp",
+    "select_gated_backend",
+    "validate_gated_operands",
+]
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 
@@ -369,6 +374,54 @@ def _rows_like(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return x.new_zeros(()).expand(rows, cols)
 
 
+def gated_fields(
+    x: Any,
+    weights: tuple[Any, Any, Any],
+    biases: tuple[Any, Any, Any],
+    group: Any,
+    act_fn: Any,
+    backend: str,
+    chunks: int | None,
+) -> dict[str, Any]:
+    """What the ranks compare for one gated block (consistency mode): ``x``, the weights and
+    biases as the block sees them (under autocast: cast), the chosen backend, the chunk count
+    and the group size. Never raises: operands the block rejects give ``"<ErrorType>"`` as the
+    choice (the body then raises the same error on every rank that agreed)."""
+    ws: Any = None
+    (wg, wu, wd), (bg, bu, bd) = weights, biases
+    try:
+        ws = dist.get_world_size(group)
+        x, wg, wu, wd, bg, bu, bd = cast_for_autocast(x.device.type, x, wg, wu, wd, bg, bu, bd)
+        choice, chunks = _prepare_gated(
+            x, (wg, wu, wd), (bg, bu, bd), group, act_fn, backend, chunks
+        )
+    except Exception as exc:  # rejected by the body, after the comparison
+        choice = f"<{type(exc).__name__}>"
+    return {
+        "x": x, "gate_weight": wg, "up_weight": wu, "down_weight": wd, "biases": (bg, bu, bd),
+        "backend": choice, "chunks": chunks, "world_size": ws,
+    }  # fmt: skip
+
+
+def _gated_mlp_fields(
+    x: Any,
+    gate_weight: Any,
+    up_weight: Any,
+    down_weight: Any,
+    group: Any = None,
+    *,
+    act_fn: Any = None,
+    gate_bias: Any = None,
+    up_bias: Any = None,
+    down_bias: Any = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    weights, biases = (gate_weight, up_weight, down_weight), (gate_bias, up_bias, down_bias)
+    return group, gated_fields(x, weights, biases, group, act_fn, backend, chunks)
+
+
+@checked_entry("gated_mlp", _gated_mlp_fields)
 def gated_mlp(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -419,6 +472,26 @@ def gated_mlp(
     )
 
 
+def _prepare_gated(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    biases: tuple[Any, Any, Any],
+    group: Any,
+    act_fn: Act,
+    backend: str,
+    chunks: int | None,
+) -> tuple[str, int]:
+    """Validate (local, the same on every rank for same-shaped operands), choose the backend
+    and the chunk count."""
+    (wg, wu, wd), (bg, bu, bd) = weights, biases
+    ws = dist.get_world_size(group)
+    validate_gated_operands(x, wg, wu, wd, bg, bu, bd, act_fn, ws, backend, chunks)
+    choice, _ = select_gated_backend(x, wg, wd, group, backend)
+    if chunks is None:
+        chunks = default_chunks(x.shape[0], x.shape[1], 2 * wg.shape[0], ws, x.device.type)
+    return choice, chunks
+
+
 def run_gated_mlp(
     x: torch.Tensor,
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -427,22 +500,11 @@ def run_gated_mlp(
     act_fn: Act,
     backend: str,
     chunks: int | None,
-    context: dict[str, Any] | None = None,
-    what: str = "gated_mlp",
 ) -> torch.Tensor:
-    """:func:`gated_mlp` with ``context``: the calling module's own fields, compared (with the
-    checks on) in the same one collective as the call's, which ``what`` names."""
+    """:func:`gated_mlp` without its consistency check (callers that are checked entry points
+    themselves declare their own)."""
     # under autocast: the operands in its dtype, the function with autocast off (dtensor.amp)
     x, wg, wu, wd, bg, bu, bd = cast_for_autocast(x.device.type, x, *weights, *biases)
-    ws = dist.get_world_size(group)
-    validate_gated_operands(x, wg, wu, wd, bg, bu, bd, act_fn, ws, backend, chunks)
-    choice, _ = select_gated_backend(x, wg, wd, group, backend)
-    if chunks is None:
-        chunks = default_chunks(x.shape[0], x.shape[1], 2 * wg.shape[0], ws, x.device.type)
-    if consistency_enabled():
-        check_consistent(
-            group, what, **(context or {}), x=x, gate_weight=wg, up_weight=wu,
-            down_weight=wd, biases=(bg, bu, bd), backend=choice, chunks=chunks, world_size=ws,
-        )  # fmt: skip
+    choice, chunks = _prepare_gated(x, (wg, wu, wd), (bg, bu, bd), group, act_fn, backend, chunks)
     with autocast_off(x.device.type):
         return _GatedMLP.apply(x, wg, wu, wd, bg, bu, bd, act_fn, group, choice, chunks)

@@ -20,13 +20,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyper_parallel.dtensor import check_consistent, check_rank_order
+from hyper_parallel.dtensor import check_rank_order
 from hyper_parallel.dtensor.amp import cast_for_autocast
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized, parallel_state
 from hyper_parallel.mc2.activation import check_elementwise_activation
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
-from hyper_parallel.mc2.gated import run_gated_mlp
+from hyper_parallel.mc2.gated import gated_fields, run_gated_mlp
 from hyper_parallel.mc2.linear import check_sequence_dim
 
 __all__ = ["MC2GatedMLPParallel"]
@@ -54,20 +54,47 @@ def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _make_forward(original: type) -> Any:
+    """The parallel forward of a parallelized ``original`` (built once per class by
+    hp-dtensor's rewrite), its consistency check declared once, named after the class."""
+    return checked_entry(f"{_NAME} ({original.__name__})", _forward_fields)(_gated_forward)
+
+
+def _operands(self: nn.Module, plan: _GatedPlan) -> tuple[Any, Any]:
+    """The local ``(W_g, W_u, W_d)`` and ``(b_g, b_u, b_d)`` of a parallelized module."""
+    gate, up, down = (getattr(self, n) for n in (plan.gate, plan.up, plan.down))
+    weights = (_local(gate.weight), _local(up.weight), _local(down.weight))
+    return weights, (_local(gate.bias), _local(up.bias), _local(down.bias))
+
+
+def _forward_fields(self: nn.Module, x: Any) -> tuple[Any, dict[str, Any]]:
+    """What the ranks compare before the forward's first collective: the input block,
+    ``sequence_dim`` and :func:`~hyper_parallel.mc2.gated.gated_fields` on its rows."""
+    plan = cast(_GatedPlan, parallel_state(self, LAYER))
+    weights, biases = _operands(self, plan)
+    fields: dict[str, Any] = {"input": x, "sequence_dim": plan.sequence_dim}
+    rows = x
+    try:
+        rows = x.movedim(plan.sequence_dim, 0)
+        rows = rows.reshape(-1, rows.shape[-1])
+    except Exception:  # rejected by the body, after the comparison
+        pass
+    act = getattr(self, "act_fn", None)
+    fields.update(gated_fields(rows, weights, biases, plan.group, act, plan.backend, plan.chunks))
+    return plan.group, fields
+
+
 def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The parallel forward: ``x`` ``[..., S_local, ..., D]`` (this rank's block, sequence at
     ``sequence_dim``) -> ``[..., S_local, ..., D]``, this rank's block of the output."""
     plan = cast(_GatedPlan, parallel_state(self, LAYER))
-    gate, up, down = (getattr(self, n) for n in (plan.gate, plan.up, plan.down))
-    wg, wu, wd = _local(gate.weight), _local(up.weight), _local(down.weight)
-    bg, bu, bd = _local(gate.bias), _local(up.bias), _local(down.bias)
+    (wg, wu, wd), (bg, bu, bd) = _operands(self, plan)
     if isinstance(x, torch.Tensor):  # under autocast: the dtypes F.linear would compute in
         x, wg, wu, wd, bg, bu, bd = cast_for_autocast(x.device.type, x, wg, wu, wd, bg, bu, bd)
     seq = _check_input(x, wg, plan.sequence_dim)
     # Sequence first, so each rank's tokens are one contiguous block of rows.
     xs = x.movedim(seq, 0)
     lead = xs.shape[:-1]
-    context = {"input": x, "sequence_dim": seq} if consistency_enabled() else None
     y2 = run_gated_mlp(
         xs.reshape(-1, xs.shape[-1]),
         (wg, wu, wd),
@@ -76,8 +103,6 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         cast(Any, self.act_fn),
         plan.backend,
         plan.chunks,
-        context,
-        f"{_NAME} ({plan.module_class})",
     )
     return y2.view(*lead, y2.shape[-1]).movedim(0, seq)
 
@@ -184,6 +209,19 @@ class MC2GatedMLPParallel(ParallelStyle):
             found.append(child)
         return found[0], found[1], found[2]
 
+    def _apply_fields(self, module: nn.Module, mesh: Any) -> tuple[Any, dict[str, Any]] | None:
+        """What the ranks compare before the weights are distributed (``None`` for a mesh the
+        body rejects): the style, the module's class, its three linears' weights and biases."""
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+            return None
+        fields: dict[str, Any] = {"style": repr(self), "module": type(module).__name__}
+        for role, name in (("gate", self.gate), ("up", self.up), ("down", self.down)):
+            child = module._modules.get(name)
+            fields[role] = (getattr(child, "weight", None), getattr(child, "bias", None))
+        fields["src_data_rank"] = getattr(self, "src_data_rank", 0)
+        fields["world_size"] = mesh.size()
+        return mesh.get_group(), fields
+
     def _check_module(self, module: nn.Module, ws: int) -> None:
         """Everything that can fail, before distribute_tensor communicates."""
         if is_parallelized(module):  # a rewrite's class is a direct subclass of the module's own
@@ -227,6 +265,7 @@ class MC2GatedMLPParallel(ParallelStyle):
                         f"{self.gate}.weight is {dtype_name(ref.dtype)}"
                     )
 
+    @checked_entry(_NAME, lambda self, module, mesh: self._apply_fields(module, mesh))
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
             what = (
@@ -241,12 +280,6 @@ class MC2GatedMLPParallel(ParallelStyle):
         self._check_module(module, device_mesh.size())
         gate, up, down = self._linears(module)
         src = getattr(self, "src_data_rank", 0)
-        if consistency_enabled():  # distribute_tensor below communicates
-            check_consistent(
-                device_mesh.get_group(), _NAME, style=repr(self), module=type(module).__name__,
-                gate=(gate.weight, gate.bias), up=(up.weight, up.bias),
-                down=(down.weight, down.bias), src_data_rank=src, world_size=device_mesh.size(),
-            )  # fmt: skip
         kwargs: dict[str, Any] = {} if src == 0 else {"src_data_rank": src}
         layout = (
             (gate, "weight", Shard(0)),
@@ -267,5 +300,5 @@ class MC2GatedMLPParallel(ParallelStyle):
             self.gate, self.up, self.down, self.sequence_dim, self.backend, self.chunks, group,
             type(module).__name__,
         )  # fmt: skip
-        install_forward(module, LAYER, plan, lambda _cls: _gated_forward, prefix="MC2Gated")
+        install_forward(module, LAYER, plan, _make_forward, prefix="MC2Gated")
         return module

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -11,9 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.amp import cast_for_autocast
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.dtensor.rewrite import (
     install_forward,
     is_parallelized,
@@ -21,7 +22,7 @@ from hyper_parallel.dtensor.rewrite import (
     uninstall_forward,
 )
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
-from hyper_parallel.mc2.functional import _column, _row
+from hyper_parallel.mc2.functional import _column, _row, dual_fields
 
 __all__ = ["MC2Linear", "MC2Parallel"]
 
@@ -164,24 +165,72 @@ def _extra_repr(module: nn.Linear) -> str:
 
 def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     """The forward of an :class:`MC2Linear`: ``nn.Linear``'s without a config, else the
-    column/row dual over the config's group."""
+    column/row dual over the config's group (checked once, see :func:`_entry`)."""
     cfg = cast("MC2Parallel | None", parallel_state(self, LAYER))
     if cfg is None:
         return F.linear(input, self.weight, self.bias)
+    return _entry(cfg.mode)(self, input)
+
+
+@functools.cache
+def _entry(mode: str) -> Callable[[nn.Linear, torch.Tensor], torch.Tensor]:
+    """The parallel forward of ``mode``, its consistency check declared once (named
+    ``MC2Linear (<mode>)``)."""
+    return checked_entry(f"MC2Linear ({mode})", _fields)(_parallel_forward)
+
+
+def _target(x: DTensor, cfg: MC2Parallel) -> Shard | None:
+    """The placement a DTensor input is brought to (``None``: no valid one; the body raises)."""
+    d = x.dim()
+    if d < 2 or not -d <= cfg.sequence_dim < d:
+        return None
+    return Shard(cfg.sequence_dim % d) if cfg.mode == "column" else Shard(d - 1)
+
+
+def _block_of(x: DTensor, want: Shard | None) -> torch.Tensor:
+    """This rank's block of ``x`` once redistributed to ``want``, without communicating: a
+    zero-stride stand-in of that shape (``torch.chunk`` sizes, as DTensor shards)."""
+    local = x.to_local()
+    if want is None or tuple(x.placements) == (want,) or x.device_mesh.ndim != 1:
+        return local
+    shape = list(x.shape)
+    n, ws, r = shape[want.dim], x.device_mesh.size(), x.device_mesh.get_local_rank()
+    full = -(-n // ws)
+    shape[want.dim] = max(0, min(n, full * (r + 1)) - full * r)
+    return local.new_zeros(()).expand(shape)
+
+
+def _fields(self: nn.Linear, input: Any) -> tuple[Any, dict[str, Any]]:
+    """What the ranks compare before the forward's first collective (a redistribution of a
+    DTensor input included): the input as given (with its placements), ``mode``,
+    ``sequence_dim``, and the dual's fields on this rank's 2-D rows."""
+    cfg = cast(MC2Parallel, parallel_state(self, LAYER))
+    fields: dict[str, Any] = {
+        "input": input, "mode": cfg.mode, "sequence_dim": cfg.sequence_dim,
+    }  # fmt: skip
     x = input
-    what = f"MC2Linear ({cfg.mode})"
+    if isinstance(x, DTensor):
+        fields["placements"] = tuple(x.placements)
+        x = _block_of(x, _target(x, cfg))
+    try:
+        x = x.movedim(cfg.sequence_dim, 0)
+        x = x.reshape(-1, x.shape[-1])
+    except Exception:  # rejected by the body, after the comparison
+        pass
+    op = "all_gather_matmul" if cfg.mode == "column" else "matmul_reduce_scatter"
+    weight, bias = _local(self.weight), _local(self.bias)
+    fields.update(dual_fields(op, x, weight, cfg.group, bias, cfg.backend, cfg.chunks))
+    return cfg.group, fields
+
+
+def _parallel_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    cfg = cast(MC2Parallel, parallel_state(self, LAYER))
+    x = input
     if isinstance(x, DTensor):
         # Bring a DTensor input to the layout this mode consumes, then work on its shard.
-        d = x.dim()
-        if d >= 2 and -d <= cfg.sequence_dim < d:
-            want = Shard(cfg.sequence_dim % d) if cfg.mode == "column" else Shard(d - 1)
-            if tuple(x.placements) != (want,):
-                if consistency_enabled():  # the redistribution is a collective
-                    check_consistent(
-                        cfg.group, what, input=x, placements=tuple(x.placements),
-                        mode=cfg.mode, sequence_dim=cfg.sequence_dim,
-                    )  # fmt: skip
-                x = x.redistribute(placements=[want])
+        want = _target(x, cfg)
+        if want is not None and tuple(x.placements) != (want,):
+            x = x.redistribute(placements=[want])
         x = x.to_local()
     weight, bias = _local(self.weight), _local(self.bias)
     assert weight is not None
@@ -193,12 +242,11 @@ def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     xs = x.movedim(seq, 0)
     lead = xs.shape[:-1]
     x2 = xs.reshape(-1, xs.shape[-1])
-    context = {"input": x, "mode": cfg.mode, "sequence_dim": seq} if consistency_enabled() else None
     if cfg.mode == "column":
-        y2 = _column(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks, context, what)
+        y2 = _column(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks)
         out_lead = (lead[0] * ws, *lead[1:])
     else:
-        y2 = _row(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks, context, what)
+        y2 = _row(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks)
         out_lead = (lead[0] // ws, *lead[1:])
     y = y2.view(*out_lead, y2.shape[-1]).movedim(0, seq)
     if cfg.output_mesh is not None:

@@ -12,11 +12,15 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from hyper_parallel.dtensor import check_consistent, check_rank_order
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor import check_rank_order
+from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel, Mode, check_sequence_dim
 
 __all__ = ["MC2ColwiseParallel", "MC2RowwiseParallel"]
+
+
+def _style_fields(self: _MC2Style, module: nn.Module, mesh: Any) -> Any:
+    return self._apply_fields(module, mesh)
 
 
 class _MC2Style(ParallelStyle):
@@ -47,7 +51,18 @@ class _MC2Style(ParallelStyle):
     def _placements(self) -> dict[str, Placement]:
         raise NotImplementedError
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def _apply_fields(self, module: nn.Module, mesh: Any) -> tuple[Any, dict[str, Any]] | None:
+        """What the ranks compare before the weights are distributed (``None`` for a mesh the
+        body rejects): the style, the module's class, its weight and bias."""
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+            return None
+        return mesh.get_group(), {
+            "style": repr(self), "module": type(module).__name__,
+            "weight": getattr(module, "weight", None), "bias": getattr(module, "bias", None),
+            "src_data_rank": getattr(self, "src_data_rank", 0), "world_size": mesh.size(),
+        }  # fmt: skip
+
+    def _shard_and_install(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
         if not isinstance(module, nn.Linear):
             raise TypeError(f"{name} only applies to nn.Linear, got {type(module).__name__}")
@@ -64,12 +79,6 @@ class _MC2Style(ParallelStyle):
         src = getattr(self, "src_data_rank", 0)
         if src != 0:
             kwargs["src_data_rank"] = src
-        if consistency_enabled():  # distribute_tensor below communicates
-            check_consistent(
-                device_mesh.get_group(), name, style=repr(self), module=type(module).__name__,
-                weight=module.weight, bias=module.bias, src_data_rank=src,
-                world_size=device_mesh.size(),
-            )  # fmt: skip
         for pname, placement in self._placements().items():
             param = getattr(module, pname)
             if param is None:
@@ -107,6 +116,7 @@ class MC2ColwiseParallel(_MC2Style):
     """
 
     _mode: Mode = "column"
+    _apply = checked_entry("MC2ColwiseParallel", _style_fields)(_MC2Style._shard_and_install)
 
     def _placements(self) -> dict[str, Placement]:
         return {"weight": Shard(0), "bias": Shard(0)}
@@ -122,6 +132,7 @@ class MC2RowwiseParallel(_MC2Style):
     """
 
     _mode: Mode = "row"
+    _apply = checked_entry("MC2RowwiseParallel", _style_fields)(_MC2Style._shard_and_install)
 
     def _placements(self) -> dict[str, Placement]:
         return {"weight": Shard(1), "bias": Replicate()}
