@@ -100,8 +100,9 @@ EXPECTED = {
     "halo_width": ("width", "causal_conv_halo"),
     "parallelize_protocol": ("protocol", "parallelize_kda"),
     "layer_dtype": ("dtype", "parallelize_kda (KimiLinearDeltaAttention) forward"),
-    "table": ("cu_seqlens", "kda_context_parallel (cu_seqlens)"),
-    "layer_table": ("cu_seqlens", "parallelize_kda (cu_seqlens)"),
+    # the table is part of the entry point's one signature (the placement compares nothing)
+    "table": ("cu_seqlens", "kda_context_parallel"),
+    "layer_table": ("cu_seqlens", "parallelize_kda (KimiLinearDeltaAttention) forward"),
 }
 
 

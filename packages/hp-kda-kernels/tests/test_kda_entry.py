@@ -1,7 +1,9 @@
 """What one call costs beyond its own work: a ``parallelize_kda``-ed module's forward (and
 backward) neither builds nor looks up a state-exchange executor (the module keeps the one
 ``parallelize_kda`` built); the functional ``kda_context_parallel`` takes it from the
-world-scoped cache. The parallel results still equal the serial stock layer."""
+world-scoped cache. The parallel results still equal the serial stock layer. With the
+consistency checks on, each public entry point compares its signature once per call (one
+forward and its backward: one comparison, not one per halo, placement and exchange)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,17 @@ import torch.distributed as dist
 from _kda_hf import kda_layer
 from _kda_testutil import kda_inputs, max_rel_err
 
-from hyper_parallel.dtensor import init_device_mesh
+import hyper_parallel.dtensor.consistency as consistency
+from hyper_parallel.dtensor import consistency_checks, init_device_mesh
 from hyper_parallel.dtensor.cache import WorldCache
 from hyper_parallel.dtensor.testing import run_distributed
-from hyper_parallel.kda import exchange, kda_context_parallel, parallelize_kda
+from hyper_parallel.kda import (
+    build_state_exchange,
+    causal_conv_halo,
+    exchange,
+    kda_context_parallel,
+    parallelize_kda,
+)
 
 P, B, T, D = 2, 1, 7, 32
 CUTS = [0, 4, 7]
@@ -71,11 +80,55 @@ def _executor_rank() -> dict[str, Any]:
         "functional": functional_calls.counts,
         "out": out.detach(),
         "x_grad": x.grad,
+        "comparisons": _comparisons(mesh, r),
     }
 
 
+def _comparisons(mesh: Any, r: int) -> dict[str, int]:
+    """How many signature comparisons (all-gather pairs) each call makes with the checks on."""
+    saved = consistency._gather_signatures
+    count = [0]
+
+    def counted(*args: Any) -> Any:
+        count[0] += 1
+        return saved(*args)
+
+    def compared(call: Any) -> int:
+        count[0] = 0
+        call()
+        return count[0]
+
+    x = _input()[:, CUTS[r] : CUTS[r + 1]].clone().requires_grad_()
+    q, k, v, g, beta, _ = (t.requires_grad_() for t in kda_inputs(B, 4, 2, 16, 16))
+    table = torch.tensor([0, 3, 8])
+    consistency._gather_signatures = counted  # type: ignore[assignment]
+    try:
+        with consistency_checks():
+            layer = kda_layer()
+            res = {"parallelize_kda": compared(lambda: parallelize_kda(layer, mesh))}
+            res["module forward + backward"] = compared(lambda: layer(x).sum().backward())
+            res["packed module forward + backward"] = compared(
+                lambda: layer(x, cu_seqlens=torch.tensor([0, 2, 7])).sum().backward()
+            )
+            res["kda_context_parallel + backward"] = compared(
+                lambda: (
+                    kda_context_parallel(q, k, v, g, beta, mesh, cu_seqlens=table)[0]
+                    .sum()
+                    .backward()
+                )
+            )
+            res["causal_conv_halo"] = compared(lambda: causal_conv_halo(x, 4, mesh))
+            ex = build_state_exchange(mesh, "p2p")
+            S, M = torch.zeros(1, 2, 16, 16), torch.zeros(1, 2, 16, 16)
+            res["StateExchange.forward"] = compared(lambda: ex.forward(S, M))
+    finally:
+        consistency._gather_signatures = saved  # type: ignore[assignment]
+    res["checks off"] = compared(lambda: layer(x).sum().backward())
+    return res
+
+
 @pytest.mark.timeout(120)
-def test_module_forward_uses_its_own_executor_and_equals_the_serial_layer() -> None:
+def test_module_forward_uses_its_own_executor_and_each_entry_point_compares_once() -> None:
     results = run_distributed(_executor_rank, P, timeout=90)
     ref_x = _input().requires_grad_()
     ref = kda_layer()(ref_x)
@@ -84,6 +137,16 @@ def test_module_forward_uses_its_own_executor_and_equals_the_serial_layer() -> N
     for res in results:
         assert res["module"] == {"StateExchange.__init__": 0, "WorldCache.get_or_create": 0}
         assert res["functional"]["WorldCache.get_or_create"] == 1
+        # once per entry point call, the nested halo / placement / exchange / build included
+        assert res["comparisons"] == {
+            "parallelize_kda": 1,
+            "module forward + backward": 1,
+            "packed module forward + backward": 1,
+            "kda_context_parallel + backward": 1,
+            "causal_conv_halo": 1,
+            "StateExchange.forward": 1,
+            "checks off": 0,
+        }
     assert max_rel_err(torch.cat([res["out"] for res in results], dim=1), ref) < 1e-5
     # two backwards accumulate twice the serial input gradient
     got = torch.cat([res["x_grad"] for res in results], dim=1)

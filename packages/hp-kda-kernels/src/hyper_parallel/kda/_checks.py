@@ -6,6 +6,9 @@ the same kind of input raise the same ``ValueError`` before any communication.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 SUPPORTED_KERNEL_DIMS = (16, 32, 64, 128)
@@ -156,3 +159,14 @@ def document_starts(offsets: list[int], start: int, T: int, device: torch.device
     pos = torch.arange(start, start + T, dtype=torch.int64)
     idx = torch.searchsorted(cu, pos, right=True) - 1
     return cu[idx.clamp(0, len(offsets) - 1)].to(device)
+
+
+def read_field(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or the error it raises as a value. A consistency signature only reads the
+    call's arguments and must never raise (a rank that raised while its peers compare would
+    leave them waiting): a rank whose arguments cannot be read, or whose local decision
+    fails, is reported by the comparison as disagreeing instead."""
+    try:
+        return fn()
+    except Exception as exc:  # any failure becomes a compared value
+        return f"<error: {type(exc).__name__}: {exc}>"

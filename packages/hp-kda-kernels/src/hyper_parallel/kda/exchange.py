@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.dtensor import check_consistent, comm
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor import comm
+from hyper_parallel.dtensor.consistency import checked_entry
 
 from ._checks import check_summary_pair
 from .cost import CostParams, ProtocolChoice, choose_protocol, grouped_widths
@@ -75,6 +75,17 @@ def _waiting(works: list[Any], result: Callable[[], torch.Tensor]) -> Callable[[
     return finish
 
 
+def _exchange_fields(ex: StateExchange, S: Any, M: Any) -> tuple[Any, dict[str, Any]]:
+    """The consistency signature of a blocking exchange (:meth:`StateExchange.forward` /
+    ``backward``). The launches ``start_forward`` / ``start_backward`` compare nothing: inside
+    ``kda_context_parallel`` (and a ``parallelize_kda``-ed forward) the entry point's signature
+    fixes their shapes and protocol, forward and backward."""
+    return ex.group, {
+        "states": S, "maps": M, "protocol": ex.protocol, "group_size": ex.group_size,
+        "backend": ex.backend, "world_size": ex.world_size,
+    }  # fmt: skip
+
+
 class StateExchange:
     """Base executor: validation, the rank's position and the protocol's two directions."""
 
@@ -92,20 +103,19 @@ class StateExchange:
         device_type = str(getattr(mesh, "device_type", "cpu"))
         self.comm_group = comm.Group(group, self.world_size, self.position, ranks, device_type)
 
+    @checked_entry("StateExchange.forward", _exchange_fields)
     def forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """``S: [B, H, K, V]``, ``M: [B, H, K, K]`` fp32 (this rank's summary) → ``h_in(r)``
         ``[B, H, K, V]`` (zeros on the first rank). Consistency mode: the ranks first compare
-        ``S``, ``M`` (shape, dtype), the protocol and the group size."""
-        _validate(S, M, self._device_type(), self.backend, f"{self.protocol} forward")
-        self._check_consistent("forward", S, M)
+        ``S``, ``M`` (shape, dtype), the protocol, the group size, the fold backend and the
+        world size."""
         return self.exchange_forward(S, M)
 
+    @checked_entry("StateExchange.backward", _exchange_fields)
     def backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """``G: [B, H, K, V]`` (``∂L_r/∂h_in(r)``), ``M`` this rank's map → the gradient at
         this rank's outgoing state (zeros on the last rank). Consistency mode as
         :meth:`forward`."""
-        _validate(G, M, self._device_type(), self.backend, f"{self.protocol} backward")
-        self._check_consistent("backward", G, M)
         return self.exchange_backward(G, M)
 
     def exchange_forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
@@ -129,14 +139,6 @@ class StateExchange:
         _validate(G, M, self._device_type(), self.backend, f"{self.protocol} backward")
         with torch.no_grad():
             return PendingExchange(self._start_backward(G.detach(), M.detach()))
-
-    def _check_consistent(self, direction: str, S: torch.Tensor, M: torch.Tensor) -> None:
-        if consistency_enabled():
-            check_consistent(
-                self.group, f"StateExchange.{direction}", states=S, maps=M,
-                protocol=self.protocol, group_size=self.group_size, backend=self.backend,
-                world_size=self.world_size,
-            )  # fmt: skip
 
     def _device_type(self) -> str:
         return str(getattr(self.mesh, "device_type", "cpu"))
@@ -391,6 +393,26 @@ def default_width(P: int) -> int:
     return max(w for w in range(1, P + 1) if P % w == 0 and w * w <= P)
 
 
+def _build_fields(
+    mesh: Any,
+    protocol: Any = "auto",
+    group_size: Any = None,
+    *,
+    backend: Any = "auto",
+    cost_params: Any = None,
+) -> tuple[Any, dict[str, Any]] | None:
+    """:func:`build_state_exchange`'s consistency signature. Compared for every protocol (not
+    only those that create sub-meshes): ranks that disagree on the protocol would otherwise
+    disagree on whether to compare at all."""
+    if getattr(mesh, "ndim", None) != 1 or not hasattr(mesh, "get_group"):
+        return None  # rejected on every rank by the checks, before communicating
+    return mesh.get_group(0), {
+        "protocol": protocol, "group_size": group_size, "backend": backend,
+        "cost_params": cost_params, "mesh_size": mesh.size(),
+    }  # fmt: skip
+
+
+@checked_entry("build_state_exchange", _build_fields)
 def build_state_exchange(
     mesh: Any,
     protocol: str = "auto",
@@ -407,8 +429,9 @@ def build_state_exchange(
     fold backend (``"auto"``, ``"torch"``, ``"triton"``). Collective over the mesh only when
     the grouped sub-mesh must be created (``grouped`` / ``auto`` with P ≥ 4); every check runs
     first and raises ``ValueError`` on every rank. Consistency mode (``HP_CHECK_CONSISTENCY=1``
-    or ``consistency_checks()``): before that collective the ranks compare ``protocol``,
-    ``group_size``, ``backend``, ``cost_params`` and the mesh size.
+    or ``consistency_checks()``): first the ranks compare ``protocol``, ``group_size``,
+    ``backend``, ``cost_params`` and the mesh size (inside ``kda_context_parallel`` or
+    ``parallelize_kda``, whose signatures hold these, nothing more is compared).
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
@@ -423,11 +446,6 @@ def build_state_exchange(
     ranks = rank_list(mesh)
     width = _check_group_size(protocol, group_size, len(ranks))
     group = mesh.get_group(0)
-    if consistency_enabled() and protocol in ("grouped", "auto"):  # may create sub-meshes
-        check_consistent(
-            group, "build_state_exchange", protocol=protocol, group_size=group_size,
-            backend=backend, cost_params=cost_params, mesh_size=len(ranks),
-        )  # fmt: skip
     if protocol == "p2p":
         return _P2P(mesh, ranks, group, backend)
     if protocol == "allgather":

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from hyper_parallel.dtensor import check_consistent, comm
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor import comm
+from hyper_parallel.dtensor.consistency import checked_entry
 
 __all__ = ["PendingHalo", "causal_conv_halo", "start_causal_conv_halo"]
 
@@ -216,6 +216,32 @@ class _Wait(torch.autograd.Function):
         return grad, None  # only orders the launch node's backward after this one
 
 
+def _halo_fields(
+    x: Any, width: Any, mesh: Any, *, seq_dim: Any = 1
+) -> tuple[Any, dict[str, Any]] | None:
+    """:func:`start_causal_conv_halo`'s consistency signature (only reads its arguments)."""
+    from hyper_parallel.dtensor import DeviceMesh
+
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 1:
+        group = mesh.get_group(0)
+    elif isinstance(mesh, ProcessGroup):
+        group = mesh
+    else:
+        return None  # rejected on every rank by the checks, before communicating
+    fields: dict[str, Any] = {"width": width}
+    try:
+        dim = seq_dim % x.dim()  # the dim itself (-2 and 1 of a 3-D x agree)
+        fields.update(
+            x_without_seq_dim=tuple(n for d, n in enumerate(x.shape) if d != dim),
+            dtype=str(x.dtype), device=x.device.type, seq_dim=dim,
+            needs_grad=torch.is_grad_enabled() and bool(x.requires_grad),
+        )  # fmt: skip
+    except Exception as exc:  # an unreadable x is compared as its error
+        fields["x"] = f"<error: {type(exc).__name__}: {exc}>"
+    return group, fields
+
+
+@checked_entry("causal_conv_halo", _halo_fields)
 def start_causal_conv_halo(
     x: torch.Tensor, width: int, mesh: Any, *, seq_dim: int = 1
 ) -> PendingHalo:
@@ -230,21 +256,16 @@ def start_causal_conv_halo(
     needed, run backward through the halo) in the same order. Errors (``ValueError``) are
     raised before any communication.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): the ranks first
-    compare ``x``'s shape without its sequence dim (block lengths may differ), its dtype and
-    device type, ``width``, ``seq_dim`` and whether gradients will flow (the backward exchange).
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): called on its
+    own (not inside a ``parallelize_kda``-ed forward, whose signature covers it), the ranks
+    first compare ``x``'s shape without its sequence dim (block lengths may differ), its dtype
+    and device type, ``width``, ``seq_dim`` and whether gradients will flow; the halo's
+    backward compares nothing (the forward's signature fixes its shapes).
     """
     seq_dim = _check(x, width, seq_dim)
     group, prev, nxt, device_type = _route(mesh)
     if device_type is not None and x.device.type != device_type:
         raise ValueError(f"x is on {x.device} but the mesh is a {device_type!r} mesh")
-    if consistency_enabled():
-        rest = tuple(n for d, n in enumerate(x.shape) if d != seq_dim)
-        check_consistent(
-            group.pg, "causal_conv_halo", x_without_seq_dim=rest, dtype=str(x.dtype),
-            device=x.device.type, width=width, seq_dim=seq_dim,
-            needs_grad=torch.is_grad_enabled() and x.requires_grad,
-        )  # fmt: skip
     return PendingHalo(x, width, seq_dim, group, prev, nxt)
 
 

@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor import check_consistent
 from hyper_parallel.dtensor.amp import without_autocast
 from hyper_parallel.dtensor.cache import WorldCache
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor.consistency import checked_entry
 
-from ._checks import check_chunk_size, check_kernel_dims, check_qkv
+from ._checks import check_chunk_size, check_kernel_dims, check_qkv, read_field
 from .chunk import compose_chunks, output_terms, run_chunks, summary_terms
 from .cost import CostParams, choose_protocol
 from .exchange import PendingExchange, StateExchange, build_state_exchange, default_width
@@ -60,15 +59,6 @@ def executor_for(
     )
 
 
-def _decision(fn: Any) -> Any:
-    """``fn()``, or the error it raises as a value: a rank whose local decision fails is
-    reported by the consistency check as disagreeing, instead of leaving its peers waiting."""
-    try:
-        return fn()
-    except (ValueError, RuntimeError) as exc:
-        return f"<error: {exc}>"
-
-
 def chosen_protocol(
     mesh: Any, protocol: str, group_size: int | None, dims: tuple[int, ...], params: Any
 ) -> Any:
@@ -84,34 +74,77 @@ def chosen_protocol(
     return protocol, group_size
 
 
-def _check_consistent_call(
-    q: torch.Tensor,
-    tensors: dict[str, torch.Tensor],
-    dims: tuple[int, int, int, int],
-    mesh: Any,
-    options: dict[str, Any],
-) -> None:
-    """Consistency mode: compare everything but the per-rank chunk length ``T_r``."""
-    if getattr(mesh, "ndim", None) != 1:
-        return  # rejected on every rank by build_state_exchange, before communicating
-    K, V = dims[2:]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
-    check_consistent(
-        mesh.get_group(0),
-        "kda_context_parallel",
-        dims_BHKV=dims,
-        dtypes={name: str(t.dtype) for name, t in tensors.items()},
-        device=q.device.type,
+def call_signature(
+    tensors: dict[str, Any], dims: Any, mesh: Any, options: dict[str, Any]
+) -> dict[str, Any]:
+    """What ranks compare for one KDA recurrence over the 1-D ``mesh`` (consistency mode):
+    everything but the per-rank chunk length ``T_r`` and ``initial_state`` (read on the first
+    rank only). ``tensors``: ``q, k, v, g, beta``; ``dims``: ``(B, H, K, V)``; ``options``
+    (compared as given): ``protocol``, ``group_size``, ``backend``, ``scale``, ``chunk_size``,
+    ``output_final_state``, ``cost_params``, ``cu_seqlens`` (the table's values). Only reads:
+    a value that cannot be read is compared as its error."""
+    q = tensors["q"]
+    return {
+        "dims_BHKV": dims,
+        "dtypes": read_field(lambda: {name: str(t.dtype) for name, t in tensors.items()}),
+        "device": read_field(lambda: q.device.type),
         **options,
-        protocol_chosen=_decision(
+        "protocol_chosen": read_field(
             lambda: chosen_protocol(
                 mesh, options["protocol"], options["group_size"], dims, options["cost_params"]
             )
         ),
-        merge_backend=_decision(lambda: choose_backend(q.device, K, V, options["backend"])[0]),
-        needs_grad=needs_grad,
-        cp_size=mesh.size(),
-    )
+        "merge_backend": read_field(
+            lambda: choose_backend(q.device, dims[2], dims[3], options["backend"])[0]
+        ),
+        "needs_grad": read_field(
+            lambda: torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
+        ),
+        "cp_size": read_field(mesh.size),
+    }
+
+
+def table_values(cu_seqlens: Any) -> Any:
+    """A ``cu_seqlens`` table as compared across ranks: its values (None for none)."""
+    if cu_seqlens is None:
+        return None
+    return read_field(lambda: tuple(int(x) for x in cu_seqlens.reshape(-1).tolist()))
+
+
+def _kda_fields(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    mesh: Any,
+    *,
+    protocol: str = "auto",
+    group_size: int | None = None,
+    scale: float | None = None,
+    initial_state: Any = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+    cost_params: CostParams | None = None,
+    cu_seqlens: Any = None,
+    packed: PackedBlock | None = None,
+) -> tuple[Any, dict[str, Any]] | None:
+    """:func:`kda_context_parallel`'s consistency signature (the nested halo, block placement
+    and exchange compare nothing more)."""
+    if getattr(mesh, "ndim", None) != 1:
+        return None  # rejected on every rank by build_state_exchange, before communicating
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    dims = read_field(lambda: (q.shape[0], q.shape[2], q.shape[3], v.shape[3]))
+    table = packed.offsets if isinstance(packed, PackedBlock) else table_values(cu_seqlens)
+    options = {
+        "protocol": protocol, "group_size": group_size, "backend": backend, "scale": scale,
+        "chunk_size": chunk_size, "output_final_state": output_final_state,
+        "cost_params": cost_params, "cu_seqlens": table,
+        # whether this call gathers the block lengths itself (a caller's PackedBlock: no)
+        "places_blocks": cu_seqlens is not None and packed is None,
+    }  # fmt: skip
+    return mesh.get_group(0), call_signature(tensors, dims, mesh, options)
 
 
 class _Exchange:
@@ -169,10 +202,15 @@ class _WaitExchange(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         state: _Exchange = ctx.state
         assert state.M is not None
+        # No consistency check here: the forward's signature (dims, protocol and its choice,
+        # fold backend, whether gradients flow) fixes this exchange's shapes (fp32 [B, H, K,
+        # V]) and protocol, and every rank must run this backward anyway (a rank that does
+        # not would leave a comparison waiting just as it leaves the exchange).
         state.pending = state.ex.start_backward(grad.to(torch.float32).contiguous(), state.M)
         return grad.new_zeros(0), None  # only orders the launch node's backward after this one
 
 
+@checked_entry("kda_context_parallel", _kda_fields)
 @without_autocast  # state and summaries in float32 under autocast too: the core casts itself
 def kda_context_parallel(
     q: torch.Tensor,
@@ -215,24 +253,18 @@ def kda_context_parallel(
     all-gather of the block lengths (see :mod:`hyper_parallel.kda.packing`; ``packed``, from
     :func:`~hyper_parallel.kda.packing.packed_block`, skips it when the caller placed it).
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
-    collective every rank of ``mesh`` compares ``(B, H, K, V)``, the dtypes of ``q, k, v, g,
-    beta``, the device type, ``protocol``, ``group_size``, the protocol ``"auto"`` chose (with
-    its group size), the fold (merge) backend chosen, ``scale``, ``chunk_size``,
-    ``output_final_state``, ``cost_params``, whether gradients will flow (the backward
-    exchange) and the mesh size. Not compared: the chunk length ``T_r`` (chunks may differ in
-    length, or be empty) and ``initial_state`` (read on the first rank only). Ranks that
-    disagree all raise ``InconsistentRanksError`` naming the field and the ranks.
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): once per call,
+    before any check or collective, every rank of ``mesh`` compares ``(B, H, K, V)``, the
+    dtypes of ``q, k, v, g, beta``, the device type, ``protocol``, ``group_size``, the protocol
+    ``"auto"`` chose (with its group size), the fold (merge) backend chosen, ``scale``,
+    ``chunk_size``, ``output_final_state``, ``cost_params``, the ``cu_seqlens`` table's values,
+    whether gradients will flow (the backward exchange) and the mesh size; the block placement
+    and the state exchange it runs compare nothing more. Not compared: the chunk length
+    ``T_r`` (chunks may differ in length, or be empty) and ``initial_state`` (read on the first
+    rank only). Ranks that disagree all raise ``InconsistentRanksError`` naming the field and
+    the ranks.
     """
-    B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state, chunk_size, backend, mesh)
-    if consistency_enabled():
-        tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
-        options = {
-            "protocol": protocol, "group_size": group_size, "backend": backend, "scale": scale,
-            "chunk_size": chunk_size, "output_final_state": output_final_state,
-            "cost_params": cost_params,
-        }  # fmt: skip
-        _check_consistent_call(q, tensors, (B, H, K, V), mesh, options)
+    B, T, *_ = check_inputs(q, k, v, g, beta, initial_state, chunk_size, backend, mesh)
     if cu_seqlens is not None and packed is None:
         packed = packed_block(cu_seqlens, mesh, B, T, q.device, "kda_context_parallel")
     ex = executor_for(mesh, protocol, group_size, backend, cost_params)

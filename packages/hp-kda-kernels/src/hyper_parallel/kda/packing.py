@@ -12,7 +12,8 @@ Blocks may differ in length, so a rank learns its global offset from one all-gat
 block lengths (``P`` int64 values, the only extra communication, once per call). The table's
 own checks (integer 1-D, starts at 0, strictly increasing, ``B == 1``) run before it, on every
 rank alike; its end ``T = Σ_r T_r`` is checked right after it, on every rank alike, before the
-layer's first exchange. Consistency mode compares the table's values first.
+layer's first exchange. Consistency mode compares the table's values first (as part of the
+calling entry point's signature).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.dtensor import check_consistent, comm, rank_list
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor import comm, rank_list
+from hyper_parallel.dtensor.consistency import checked_entry
 
-from ._checks import check_cu_seqlens, document_resets, document_starts
+from ._checks import check_cu_seqlens, document_resets, document_starts, read_field
 from .halo import OWNER
 
 __all__ = ["PackedBlock", "packed_block"]
@@ -48,16 +49,25 @@ class PackedBlock:
     doc_start: torch.Tensor
 
 
+def _table_fields(cu_seqlens: Any, mesh: Any, *_: Any) -> tuple[Any, dict[str, Any]] | None:
+    """:func:`packed_block`'s consistency signature: the table's values (read, not checked)."""
+    if getattr(mesh, "ndim", None) != 1:
+        return None
+    table = read_field(lambda: tuple(int(x) for x in cu_seqlens.reshape(-1).tolist()))
+    return mesh.get_group(0), {"cu_seqlens": table}
+
+
+@checked_entry("packed_block", _table_fields)
 def packed_block(cu_seqlens: Any, mesh: Any, B: int, T: int, device: Any, what: str) -> PackedBlock:
     """Check ``cu_seqlens`` and place this rank's block of ``T`` tokens (``B == 1``) in it.
 
     Collective over the 1-D ``mesh`` (one all-gather of the block lengths); ``ValueError`` on
     every rank for a bad table: before the gather for a malformed one, after it (identically
-    everywhere) for one that does not end at the total length."""
+    everywhere) for one that does not end at the total length. Consistency mode: called on
+    its own, the ranks first compare the table's values (inside ``kda_context_parallel`` or a
+    ``parallelize_kda``-ed forward, that entry point's signature holds them)."""
     offsets = check_cu_seqlens(cu_seqlens, B, None, what)
     group = mesh.get_group(0)
-    if consistency_enabled():
-        check_consistent(group, f"{what} (cu_seqlens)", cu_seqlens=tuple(offsets))
     P = mesh.size()
     mine = torch.tensor([T], dtype=torch.int64, device=device)
     if P > 1:

@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyper_parallel.dtensor import check_consistent
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.dtensor.rewrite import (
     install_forward,
     is_parallelized,
@@ -42,7 +41,15 @@ from hyper_parallel.dtensor.rewrite import (
 
 from .exchange import PROTOCOLS, StateExchange
 from .halo import start_causal_conv_halo
-from .layer import _check_consistent_call, check_inputs, executor_for, run_with_executor
+from .layer import (
+    check_inputs,
+    chosen_protocol,
+    executor_for,
+    read_field,
+    run_with_executor,
+    table_values,
+)
+from .merge import choose_backend
 from .packing import PackedBlock, packed_block
 
 __all__ = [
@@ -120,6 +127,64 @@ def _check_call(
         )
 
 
+def _forward_fields(
+    self: Any,
+    hidden_states: Any,
+    cache_params: Any = None,
+    attention_mask: Any = None,
+    **kwargs: Any,
+) -> tuple[Any, dict[str, Any]]:
+    """One forward's consistency signature, compared once before anything else: it also
+    covers what the halo, the block placement and the recurrence would compare (their inputs
+    derive from ``hidden_states``, the layer, the autocast state and the module's options).
+    Not compared: the block length ``T_r`` (blocks may differ)."""
+    state: _KDAState = parallel_state(self, LAYER)
+    x, mesh = hidden_states, state.mesh
+    B = read_field(lambda: x.shape[0])
+    dims = read_field(lambda: (x.shape[0], self.num_heads, self.head_dim, self.head_dim))
+    params = list(self.parameters())
+    kernel = state.executor.backend
+    given = (("cache_params", cache_params), ("attention_mask", attention_mask),
+             ("seq_idx", kwargs.get("seq_idx")))  # fmt: skip
+    return mesh.get_group(0), {
+        "hidden_states_B_D": read_field(lambda: (B, x.shape[-1])),
+        "dtype": read_field(lambda: str(x.dtype)),
+        "device": read_field(lambda: x.device.type),
+        "rejected_arguments": tuple(name for name, value in given if value is not None),
+        "cu_seqlens": table_values(kwargs.get("cu_seqlens")),
+        "halo_width": read_field(lambda: self.conv_kernel_size - 1),
+        "protocol": state.protocol,
+        "group_size": state.group_size,
+        "protocol_chosen": read_field(
+            lambda: chosen_protocol(mesh, state.protocol, state.group_size, dims, None)
+        ),
+        "merge_backend": read_field(
+            lambda: choose_backend(x.device, self.head_dim, self.head_dim, kernel)[0]
+        ),
+        "layer": read_field(lambda: _layer_signature(self)),
+        "param_dtypes": sorted({str(p.dtype) for p in params}),
+        "autocast": read_field(lambda: _autocast_state(x.device.type)),
+        "training": self.training,
+        "grad_enabled": torch.is_grad_enabled(),
+        "needs_grad": read_field(
+            lambda: torch.is_grad_enabled() and (x.requires_grad or _any_grad(params))
+        ),
+        "cp_size": mesh.size(),
+    }
+
+
+def _any_grad(params: list[torch.Tensor]) -> bool:
+    return any(p.requires_grad for p in params)
+
+
+def _autocast_state(device_type: str) -> Any:
+    """Autocast on ``device_type``: its dtype, or False (the projections' output dtype, so
+    the halo's, follows it)."""
+    if not torch.is_autocast_enabled(device_type):
+        return False
+    return str(torch.get_autocast_dtype(device_type))
+
+
 def _cp_forward(
     self: Any,
     hidden_states: torch.Tensor,
@@ -131,14 +196,6 @@ def _cp_forward(
     _check_call(self, hidden_states, cache_params, attention_mask, kwargs)
     x = hidden_states
     B, T, _ = x.shape
-    if consistency_enabled():  # T is this rank's block length: blocks may differ
-        check_consistent(
-            state.mesh.get_group(0), f"parallelize_kda ({state.layer_class}) forward",
-            hidden_states_B_D=(B, x.shape[-1]), dtype=str(x.dtype), device=x.device.type,
-            halo_width=self.conv_kernel_size - 1, protocol=state.protocol,
-            group_size=state.group_size, layer=_layer_signature(self), training=self.training,
-            grad_enabled=torch.is_grad_enabled(), packed=kwargs.get("cu_seqlens") is not None,
-        )  # fmt: skip
     packed = None
     if kwargs.get("cu_seqlens") is not None:
         packed = packed_block(kwargs["cu_seqlens"], state.mesh, B, T, x.device, "parallelize_kda")
@@ -163,14 +220,7 @@ def _cp_forward(
     q, k, v = (t.reshape(heads) for t in conv.split(self.num_heads * self.head_dim, dim=-1))
     q, k = _l2norm(q.float()), _l2norm(k.float())
     ex = state.executor
-    dims = check_inputs(q, k, v, g, beta, None, _CHUNK, ex.backend, state.mesh)
-    if consistency_enabled():
-        tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
-        options = {
-            "protocol": state.protocol, "group_size": state.group_size, "backend": ex.backend,
-            "scale": None, "chunk_size": _CHUNK, "output_final_state": False, "cost_params": None,
-        }  # fmt: skip
-        _check_consistent_call(q, tensors, (B, dims[2], dims[3], dims[4]), state.mesh, options)
+    check_inputs(q, k, v, g, beta, None, _CHUNK, ex.backend, state.mesh)
     o, _ = run_with_executor(q, k, v, g, beta, ex, chunk_size=_CHUNK, packed=packed)
     return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.num_heads * self.head_dim))
 
@@ -209,6 +259,7 @@ def _make_forward(cls: type) -> Callable[..., torch.Tensor]:
     """The rewritten forward of a stock KDA class (its signature and doc kept)."""
 
     @functools.wraps(cls.forward)  # type: ignore[attr-defined]  # the stock signature and doc
+    @checked_entry(f"parallelize_kda ({cls.__name__}) forward", _forward_fields)
     def forward(
         self: Any,
         hidden_states: torch.Tensor,
@@ -258,6 +309,22 @@ def _validate(
     return _ACTIVATIONS[module.activation]
 
 
+def _parallelize_fields(
+    module: Any, cp_mesh: Any, *, protocol: Any = "auto", group_size: Any = None
+) -> tuple[Any, dict[str, Any]] | None:
+    """:func:`parallelize_kda`'s consistency signature (covers the executor it builds)."""
+    if getattr(cp_mesh, "ndim", None) != 1 or not hasattr(cp_mesh, "get_group"):
+        return None  # rejected on every rank by the checks, before communicating
+    return cp_mesh.get_group(0), {
+        "protocol": protocol,
+        "group_size": group_size,
+        "module": type(module).__name__,
+        "layer": read_field(lambda: _layer_signature(module)),
+        "cp_size": read_field(cp_mesh.size),
+    }
+
+
+@checked_entry("parallelize_kda", _parallelize_fields)
 def parallelize_kda(
     module: nn.Module, cp_mesh: Any, *, protocol: str = "auto", group_size: int | None = None
 ) -> nn.Module:
@@ -289,17 +356,15 @@ def parallelize_kda(
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the
     executor is built, the ranks of ``cp_mesh`` compare ``protocol``, ``group_size``, the
-    layer's class, sizes and parameter dtype; each forward compares ``hidden_states``' batch
-    and feature sizes, dtype and device type (not its block length ``T_r``), the halo width
-    ``W − 1``, the protocol, training mode and whether autograd records, before the halo
-    exchange; the halo exchange and :func:`kda_context_parallel` then make their own checks.
+    layer's class, sizes and parameter dtype. Each forward is compared once, before anything
+    else: ``hidden_states``' batch and feature sizes, dtype and device type (not its block
+    length ``T_r``), the rejected arguments given, the ``cu_seqlens`` table's values, the halo
+    width ``W − 1``, the protocol and what ``"auto"`` chose, the fold backend, the layer's
+    sizes and parameter dtypes, the autocast state, training mode, whether autograd records
+    and whether gradients flow; the halo, the block placement and the recurrence it runs
+    compare nothing more (their inputs follow from these), nor does its backward.
     """
     activation = _validate(module, cp_mesh, protocol)
-    if consistency_enabled():  # building the executor may create sub-meshes (collective)
-        check_consistent(
-            cp_mesh.get_group(0), "parallelize_kda", protocol=protocol, group_size=group_size,
-            module=type(module).__name__, layer=_layer_signature(module), cp_size=cp_mesh.size(),
-        )  # fmt: skip
     # checks, then builds (or takes this world's executor for these options): once, here
     executor = executor_for(cp_mesh, protocol, group_size, "auto", None)
     state = _KDAState(cp_mesh, protocol, group_size, type(module).__name__, activation, executor)
