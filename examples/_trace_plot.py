@@ -4,9 +4,10 @@ One pair of lanes per rank: ``compute`` (tid 0: each layer's forward/backward sp
 recorded inside it, time blocked in a wait) and, right under it, ``comm`` (tid 1: each
 collective recorded by hp-dtensor's ``record_events`` from launch to the end of its
 wait). A collective bar under a compute bar is communication hidden behind compute; a red
-``wait`` span is communication that was not. Every layer's collectives (MLA, KDA, MC2) run on
-hp-dtensor's comm runtime and are recorded; FSDP2's and hp-models' gradient sums, which are not
-on it, show their communication inside their compute spans.
+``wait`` span is communication that was not. Every layer's collectives (MLA, KDA, MC2) and
+hp-models' own (the loss's sums, ``sync_gradients``, clipping) run on hp-dtensor's comm runtime
+and are recorded; FSDP2's all-gathers and reduce-scatters, which are not on it, come from a
+``torch.profiler`` session of the step (examples/_fsdp_trace.py) onto the same comm lane.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ def plot_trace(trace: dict[str, Any], path: Path, title: str) -> None:
               for k, c in KIND_COLOURS.items()]  # fmt: skip
     legend += [Patch(color=INNER, label="compute inside a layer"),
                Patch(color=WAIT, label="blocked in a wait"),
-               Patch(color=COMM, label="recorded collective in flight, launch to wait "
-                     "(every layer's; FSDP2's, gradient sums' inside spans)")]  # fmt: skip
+               Patch(color=COMM, label="collective in flight, launch to wait "
+                     "(every layer's, hp-models', FSDP2's)")]  # fmt: skip
     ax.legend(handles=legend, fontsize=7, loc="upper center", ncol=2,
               bbox_to_anchor=(0.5, -0.16 - 0.05 / max(len(ranks), 1)))  # fmt: skip
     fig.tight_layout()

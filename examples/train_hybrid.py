@@ -47,6 +47,7 @@ import _jobctl
 import _report
 import torch
 import train
+from _fsdp_trace import FsdpCapture, add_spans
 from _meter import LayerMeter
 from _trace_plot import plot_trace
 
@@ -116,8 +117,12 @@ class RankHooks:
         self.trace: dict[str, Any] = {}
         self.timed: dict[tuple[str, str], float] = {}
         self.current = -1  # the step running
+        self.fsdp = False  # FSDP2 reduces the gradients: its collectives come from the profiler
 
     def on_model(self, model: torch.nn.Module, mesh: Any) -> None:
+        from hyper_parallel.dtensor.rewrite import parallel_state
+
+        self.fsdp = parallel_state(model, "hp-models").grad_reduction == "fsdp"
         base = model.model
         if self.h.nan_step >= 0 and self.h.nan_rank in (-1, self.rank):  # drill: before watch
             base.embed_tokens.register_forward_hook(self._poison)
@@ -152,12 +157,15 @@ class RankHooks:
         profiling = step == self.h.trace_step
         self.meter.time.clear()
         with record_events() if profiling else nullcontext() as rec:
-            self.meter.recorder = rec
-            with self.meter if profiling else nullcontext():
-                yield
+            with FsdpCapture() if profiling and self.fsdp else nullcontext() as fsdp:
+                self.meter.recorder = rec
+                with self.meter if profiling else nullcontext():
+                    yield
         self.meter.recorder = None
         if profiling:
             self.trace = rec.to_chrome_trace(pid=self.rank)
+            if fsdp is not None and rec.events:  # FSDP2's collectives on the comm lane too
+                add_spans(self.trace, fsdp.spans(rec.events[0].t_ns, self.rank))
         elif step > 0:
             for key, v in self.meter.time.items():
                 self.timed[key] = self.timed.get(key, 0.0) + v
@@ -193,6 +201,7 @@ class RankHooks:
             "losses": self.losses,
             "step_times": self.step_times,
             "layers": self.meter.names,
+            "grad_reduction": "fsdp" if self.fsdp else "allreduce",
         }
 
 
@@ -294,6 +303,7 @@ def merge_rank_stats(h: argparse.Namespace, t: argparse.Namespace) -> dict[str, 
         "step_times": per_rank[0]["step_times"],
         "layers": rows,
         "trace_step": h.trace_step,
+        "grad_reduction": per_rank[0]["grad_reduction"],
     }
     (out / "parallel.json").write_text(json.dumps(record, indent=1))
     return record

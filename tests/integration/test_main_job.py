@@ -207,6 +207,13 @@ def test_main_job_tiny_run_agrees_and_draws_the_trace(job_factory):
     assert any(n.startswith("a2a:") for n in comm), comm  # MLA's all-to-alls
     assert comm & {"send:halo", "recv:halo", "send:state", "recv:state"}, comm  # KDA's
     assert comm & {"all_gather:x", "reduce_scatter:partial"}, comm  # MC2's
+    assert {"all_reduce:loss_tokens", "all_reduce:loss"} <= comm, comm  # hp-models' loss
+    # FSDP2's (the default gradient reduction on torch 2.13), from torch.profiler
+    reduction = json.loads((job.out / "parallel.json").read_text())["grad_reduction"]
+    assert reduction in ("fsdp", "allreduce"), reduction
+    if reduction == "fsdp":
+        assert any(n.startswith("fsdp all_gather ") for n in comm), comm
+        assert any(n.startswith("fsdp reduce_scatter ") for n in comm), comm
     job.assert_nothing_left()
 
 

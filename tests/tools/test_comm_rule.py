@@ -44,3 +44,9 @@ def test_the_list_of_modules_not_yet_moved_only_shrinks(monkeypatch):
 def test_the_repository_follows_the_rule():
     assert check_repo.check_communication(check_repo.layer_sources()) == []
     assert check_repo.NOT_YET_ON_COMM == {}  # every layer is on hp-dtensor's comm
+
+
+def test_hp_models_own_collectives_are_checked_too():
+    checked = check_repo.layer_sources()
+    assert "packages/hp-models/src/hyper_parallel/models/grads.py" in checked
+    assert "packages/hp-models/src/hyper_parallel/models/loss.py" in checked

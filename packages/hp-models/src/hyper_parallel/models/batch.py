@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hyper_parallel.dtensor import DeviceMesh, all_gather_single, check_consistent
+from hyper_parallel.dtensor import DeviceMesh, check_consistent, comm
 from hyper_parallel.models.documents import TABLE_KEYS, packed_documents
 from hyper_parallel.models.mesh import check_mesh, cp_tp, sequence_mesh
+from hyper_parallel.models.plan import OWNER
 
 __all__ = ["IGNORE_INDEX", "gather_sequence", "shard_batch"]
 
@@ -168,7 +169,5 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, seq_dim: int = 1) -> Tensor:
     if sm.size == 1:
         return x.clone()
     check_consistent(sm.flat.get_group(), "gather_sequence", x=x, seq_dim=seq_dim)
-    send = x.movedim(seq_dim, 0).contiguous()
-    out = send.new_empty((sm.size * send.shape[0], *send.shape[1:]))
-    all_gather_single(out, send, group=sm.flat.get_group())
-    return out.movedim(0, seq_dim)
+    g = comm.resolve_group(sm.flat, "gather_sequence")
+    return comm.start_all_gather(x, seq_dim, g, "all_gather:sequence", "forward", OWNER).wait()

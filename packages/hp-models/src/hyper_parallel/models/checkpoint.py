@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from hyper_parallel.models.plan import plan_of
+from hyper_parallel.dtensor import comm
+from hyper_parallel.models.plan import OWNER, plan_of
 
 __all__ = ["install_save_pretrained", "save_pretrained"]
 
@@ -77,8 +77,9 @@ def save_pretrained(
     flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
     device = next(iter(model.parameters())).device
     flag = flag.to(device)
-    for group in _world_groups(plan):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    for group in _world_groups(plan):  # summed: non-zero if the writer failed
+        g = comm.resolve_group(group, "save_pretrained")
+        comm.start_all_reduce(flag, g, "all_reduce:save_failed", "save", OWNER).wait()
     if failure is not None:
         raise failure
     if int(flag.item()):

@@ -22,11 +22,11 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from hyper_parallel.models.plan import plan_of
+from hyper_parallel.dtensor import comm
+from hyper_parallel.models.plan import OWNER, plan_of
 
 __all__ = ["clip_grad_norm_"]
 
@@ -136,11 +136,18 @@ def clip_grad_norm_(
         else:
             grads.append(g)
             add(len(meshes), g.detach())
-    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     for slot, mesh in enumerate(meshes):
         for d in range(mesh.ndim):
             if mesh.size(d) > 1:
-                dist.all_reduce(totals[slot], op=op, group=mesh.get_group(d))
+                g = comm.resolve_group(mesh.get_group(d), "clip_grad_norm_")
+                if inf:  # the largest of the ranks' maxima: gathered, then max (exact)
+                    every = comm.start_all_gather(
+                        totals[slot].reshape(1), 0, g, "all_gather:grad_norm_max", "step", OWNER
+                    )
+                    totals[slot] = every.wait().max()
+                else:
+                    name = "all_reduce:grad_norm"
+                    comm.start_all_reduce(totals[slot], g, name, "step", OWNER).wait()
     if inf:
         total = torch.stack(totals).max()
     else:

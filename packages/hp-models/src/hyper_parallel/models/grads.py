@@ -19,8 +19,11 @@ parameters over every rank, tp parameters over ``cp`` then ``dp``.
 Gradients are packed into one flat buffer per (group, dtype) and reduced with one
 ``all_reduce`` each (two for tp parameters with dp > 1). Which parameters have a gradient may
 differ by rank (an MoE expert that no token of this rank's block was routed to): a flag vector
-is all-reduced first, so every rank sends the same buffers, and a parameter no rank touched
-keeps ``grad = None``.
+is all-reduced first (summed: a parameter is kept if any rank has its gradient), so every rank
+sends the same buffers, and a parameter no rank touched keeps ``grad = None``. The collectives
+start through ``hyper_parallel.dtensor.comm`` (owner ``"hp-models"``, phase ``"step"``):
+``all_reduce:grad_flags``, then ``all_reduce:grads_world`` / ``all_reduce:grads_cp`` per
+bucket, so they are recorded and appear in ``torch.profiler`` as ``hp.comm.*`` ranges.
 """
 
 from __future__ import annotations
@@ -28,15 +31,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor import check_consistent, comm
 from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import SequenceMesh, reduction_scope
-from hyper_parallel.models.plan import plan_of
+from hyper_parallel.models.plan import OWNER, plan_of
 
 __all__ = ["sync_gradients"]
 
@@ -84,9 +86,9 @@ def sync_gradients(model: nn.Module) -> None:
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
     dev = _local(params[0]).device
     if everyone.size() > 1:
-        has = has.to(dev)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=everyone.get_group())
-        has = has.cpu()
+        g = comm.resolve_group(everyone, "sync_gradients")
+        has = comm.start_all_reduce(has.to(dev), g, "all_reduce:grad_flags", "step", OWNER)
+        has = has.wait().cpu()
     groups: dict[str, list[Any]] = {
         "world": [everyone],
         "cp": [sm.cp] if sm.dp is None else [sm.cp, sm.dp],
@@ -107,7 +109,8 @@ def sync_gradients(model: nn.Module) -> None:
             continue
         flat = torch.cat([g.reshape(-1) for g in grads])
         for m in meshes:
-            dist.all_reduce(flat, group=m.get_group())
+            g = comm.resolve_group(m, "sync_gradients")
+            comm.start_all_reduce(flat, g, f"all_reduce:grads_{name}", "step", OWNER).wait()
         offset = 0
         for g in grads:
             n = g.numel()

@@ -16,15 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor import check_consistent, comm
 from hyper_parallel.dtensor.consistency import consistency_enabled
 from hyper_parallel.models.batch import IGNORE_INDEX
 from hyper_parallel.models.documents import pass_documents
 from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
-from hyper_parallel.models.plan import plan_of
+from hyper_parallel.models.plan import OWNER, plan_of
 
 __all__ = ["global_loss", "global_mean_loss", "parallel_forward", "refuse_generate"]
 
@@ -34,10 +33,10 @@ class _SumShares(torch.autograd.Function):
     its own term of the sum)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+    def forward(ctx: Any, x: Tensor, mesh: Any) -> Tensor:
+        g = comm.resolve_group(mesh, "the global loss")
         out = x.detach().clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return comm.start_all_reduce(out, g, "all_reduce:loss", "forward", OWNER).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
@@ -48,7 +47,7 @@ def global_loss(share: Tensor, sm: SequenceMesh) -> Tensor:
     """The global loss from this rank's share (see the module docstring)."""
     if sm.batch.size() == 1:  # sm.batch: every rank of the global batch (dp·cp·tp)
         return share
-    return _SumShares.apply(share, sm.batch.get_group())
+    return _SumShares.apply(share, sm.batch)
 
 
 def global_mean_loss(local_sum: Tensor, local_count: Tensor | int, mesh: Any) -> Tensor:
@@ -71,7 +70,8 @@ def global_mean_loss(local_sum: Tensor, local_count: Tensor | int, mesh: Any) ->
         raise ValueError("global_mean_loss: local_count must be a number or a 0-d tensor")
     count = count.clone()
     if sm.batch.size() > 1:
-        dist.all_reduce(count, group=sm.batch.get_group())
+        g = comm.resolve_group(sm.batch, "global_mean_loss")
+        count = comm.start_all_reduce(count, g, "all_reduce:loss_tokens", "forward", OWNER).wait()
     if not bool(count > 0):
         raise ValueError("global_mean_loss: no token in the whole batch entered the loss")
     return global_loss(local_sum / count.to(local_sum.dtype), sm)
@@ -205,7 +205,9 @@ def parallel_forward(model_class: type) -> Callable[..., Any]:
         if targets is not None and kwargs.get("labels") is not None:
             count = (targets != IGNORE_INDEX).sum()  # int64: the loss keeps its dtype
             if sm.batch.size() > 1:
-                dist.all_reduce(count, group=sm.batch.get_group())
+                g = comm.resolve_group(sm.batch, "the parallelised forward")
+                count = comm.start_all_reduce(count, g, "all_reduce:loss_tokens", "forward", OWNER)
+                count = count.wait()
             kwargs["num_items_in_batch"] = count
         out = original(self, **kwargs)
         if targets is None or kwargs.get("labels") is None:

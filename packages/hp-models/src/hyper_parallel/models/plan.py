@@ -17,10 +17,12 @@ from torch import nn
 from hyper_parallel.dtensor.rewrite import is_parallelized, parallel_state
 from hyper_parallel.models.mesh import SequenceMesh
 
-__all__ = ["LAYER", "ParallelPlan", "is_model_parallelized", "plan_of"]
+__all__ = ["LAYER", "OWNER", "ParallelPlan", "is_model_parallelized", "plan_of"]
 
 LAYER = "hp-models"
 """The rewrite's layer name of a model parallelised by ``parallelize_model``."""
+OWNER = LAYER
+"""The owner hp-models' own collectives are started under (``hyper_parallel.dtensor.comm``)."""
 
 
 @dataclass
