@@ -7,7 +7,7 @@
    (counted at the collectives), and what ``auto`` picked vs the measured best.
 3. ``kda_context_parallel`` (forward + backward) at 2 ranks vs the serial chunked layer on the
    whole sequence on one rank (parallel efficiency = serial / (P · parallel)).
-4. On CUDA only: the Triton merge kernel vs the torch backend.
+4. On CUDA only: the Triton merge kernel vs the torch fold kernel.
 5. The stock Hugging Face ``KimiLinearDeltaAttention`` (hidden 1024, 8 heads of 128, T = 8192;
    T = 2048 for local CPU ranks; transformers needed) under ``parallelize_kda`` at 2 and 4
    ranks vs the stock serial layer on the whole sequence (and vs the rewritten layer on one
@@ -172,7 +172,7 @@ def bench_exchange(cfg: dict[str, Any], device: torch.device) -> list[dict[str, 
         variants[f"grouped:{w}"] = ("grouped", w)
     variants["auto"] = ("auto", None)
     executors = {
-        n: build_state_exchange(mesh, p, w, backend="torch") for n, (p, w) in variants.items()
+        n: build_state_exchange(mesh, p, w, kernel="torch") for n, (p, w) in variants.items()
     }
 
     def run(ex: Any) -> Callable[[], None]:
@@ -244,7 +244,7 @@ def bench_exchange_link(cfg: dict[str, Any], device: torch.device) -> list[dict[
     for w in grouped_widths(P):
         variants[f"grouped:{w}"] = ("grouped", w)
     executors = {
-        n: build_state_exchange(mesh, p, w, backend="torch") for n, (p, w) in variants.items()
+        n: build_state_exchange(mesh, p, w, kernel="torch") for n, (p, w) in variants.items()
     }
 
     def run(ex: Any) -> Callable[[], None]:
@@ -341,7 +341,7 @@ def bench_layer_overlap(cfg: dict[str, Any], device: torch.device) -> list[dict[
             try:
                 o, _ = kda_context_parallel(
                     *local, mesh, protocol=protocol, group_size=width, chunk_size=64,
-                    backend="torch",
+                    kernel="torch",
                 )  # fmt: skip
                 o.sum().backward()
             finally:
@@ -609,8 +609,8 @@ def bench_kernels(cfg: dict[str, Any], device: torch.device) -> list[dict[str, A
     S = torch.randn(P, B, H, K, V, device=device)
     M = torch.randn(P, B, H, K, K, device=device) / K**0.5
     cases = {
-        "triton": lambda: affine_merge(S, M, P - 1, backend="triton"),
-        "torch": lambda: affine_merge(S, M, P - 1, backend="torch"),
+        "triton": lambda: affine_merge(S, M, P - 1, kernel="triton"),
+        "torch": lambda: affine_merge(S, M, P - 1, kernel="torch"),
     }
     times = interleaved_timing(cases, repeats=cfg["repeats"] * 4, warmup=3, device=device)
     return [

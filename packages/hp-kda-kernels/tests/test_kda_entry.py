@@ -3,10 +3,16 @@ backward) neither builds nor looks up a state-exchange executor (the module keep
 ``parallelize_kda`` built); the functional ``kda_context_parallel`` takes it from the
 world-scoped cache. The parallel results still equal the serial stock layer. With the
 consistency checks on, each public entry point compares its signature once per call (one
-forward and its backward: one comparison, not one per halo, placement and exchange)."""
+forward and its backward: one comparison, not one per halo, placement and exchange).
+``backend=``, the fold kernel's earlier keyword, still works everywhere with a
+DeprecationWarning pointing at the caller and gives identical results; with ``kernel=`` as
+well it is a TypeError naming both."""
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,9 +26,15 @@ from hyper_parallel.dtensor import consistency_checks, init_device_mesh
 from hyper_parallel.dtensor.cache import WorldCache
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.kda import (
+    ContextParallelKDA,
+    affine_merge,
+    affine_scan,
     build_state_exchange,
     causal_conv_halo,
+    choose_backend,
+    choose_kernel,
     exchange,
+    is_kda_parallel,
     kda_context_parallel,
     parallelize_kda,
 )
@@ -81,7 +93,58 @@ def _executor_rank() -> dict[str, Any]:
         "out": out.detach(),
         "x_grad": x.grad,
         "comparisons": _comparisons(mesh, r),
+        "renamed": _renamed_rank(mesh, x),
     }
+
+
+def _deprecated(call: Callable[[], Any]) -> tuple[Any, list[tuple[str, str]]]:
+    """``call()`` and the (message, file) of each DeprecationWarning it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = call()
+    return out, [
+        (str(w.message), w.filename) for w in caught if issubclass(w.category, DeprecationWarning)
+    ]
+
+
+def _type_error(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except TypeError as exc:
+        return str(exc)
+    return "NO ERROR"
+
+
+def _renamed_rank(mesh: Any, x: torch.Tensor) -> dict[str, Any]:
+    """backend= against kernel= in the distributed entry points (fold kernel "torch")."""
+    q, k, v, g, beta, _ = kda_inputs(B, 4, 2, 16, 16)
+    res: dict[str, Any] = {}
+    new, _ = kda_context_parallel(q, k, v, g, beta, mesh, kernel="torch")
+    (old, _), res["kda_context_parallel"] = _deprecated(
+        lambda: kda_context_parallel(q, k, v, g, beta, mesh, backend="torch")
+    )
+    res["kda_context_parallel equal"] = torch.equal(old, new)
+    res["kda_context_parallel both"] = _type_error(
+        lambda: kda_context_parallel(q, k, v, g, beta, mesh, kernel="torch", backend="torch")
+    )
+    ex, res["build_state_exchange"] = _deprecated(
+        lambda: build_state_exchange(mesh, "p2p", backend="torch")
+    )
+    res["executor kernel"] = ex.kernel
+    res["executor backend"] = _deprecated(lambda: ex.backend)
+    layer_new = parallelize_kda(kda_layer(), mesh, kernel="torch")
+    layer_old, res["parallelize_kda"] = _deprecated(
+        lambda: parallelize_kda(kda_layer(), mesh, backend="torch")
+    )
+    res["parallelize_kda equal"] = torch.equal(layer_old(x), layer_new(x))
+    untouched = kda_layer()
+    res["parallelize_kda both"] = _type_error(
+        lambda: parallelize_kda(untouched, mesh, kernel="torch", backend="torch")
+    )
+    res["parallelize_kda both untouched"] = not is_kda_parallel(untouched)
+    style, res["ContextParallelKDA"] = _deprecated(lambda: ContextParallelKDA(backend="torch"))
+    res["style kernel"] = style.kernel
+    return res
 
 
 def _comparisons(mesh: Any, r: int) -> dict[str, int]:
@@ -147,7 +210,60 @@ def test_module_forward_uses_its_own_executor_and_each_entry_point_compares_once
             "StateExchange.forward": 1,
             "checks off": 0,
         }
+    for res in results:
+        renamed = res["renamed"]
+        for name in ("kda_context_parallel", "build_state_exchange", "parallelize_kda"):
+            _assert_warned(renamed[name], name)
+            assert renamed.get(f"{name} equal", True) is True, name
+        for name in ("kda_context_parallel", "parallelize_kda"):
+            assert "kernel=" in renamed[f"{name} both"], renamed[f"{name} both"]
+            assert "backend=" in renamed[f"{name} both"], renamed[f"{name} both"]
+        assert renamed["parallelize_kda both untouched"]
+        assert renamed["executor kernel"] == "torch" == renamed["style kernel"]
+        assert renamed["executor backend"][0] == "torch"
+        _assert_warned(renamed["executor backend"][1], "StateExchange.backend")
+        _assert_warned(renamed["ContextParallelKDA"], "ContextParallelKDA")
     assert max_rel_err(torch.cat([res["out"] for res in results], dim=1), ref) < 1e-5
     # two backwards accumulate twice the serial input gradient
     got = torch.cat([res["x_grad"] for res in results], dim=1)
     assert max_rel_err(got, 2 * ref_x.grad) < 1e-5
+
+
+def _assert_warned(caught: list[tuple[str, str]], what: str) -> None:
+    """One DeprecationWarning naming ``what``, attributed to the caller (this file)."""
+    assert len(caught) == 1, (what, caught)
+    message, filename = caught[0]
+    assert what in message and "kernel" in message, message
+    assert filename == __file__, (what, filename)
+
+
+def test_backend_keyword_warns_and_gives_identical_results_both_is_a_type_error() -> None:
+    S, M = torch.randn(3, 1, 2, 16, 16), torch.randn(3, 1, 2, 16, 16) / 4
+    x = torch.randn(1, 2, 16, 16)
+    calls: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+        "affine_merge": (
+            lambda **kw: affine_merge(S, M, 2, **kw),
+            lambda: affine_merge(S, M, 2, kernel="torch"),
+        ),
+        "affine_scan": (
+            lambda **kw: affine_scan((S, M), x, range(3), prefix_count=1, **kw),
+            lambda: affine_scan((S, M), x, range(3), prefix_count=1, kernel="torch"),
+        ),
+        "choose_backend": (
+            lambda **kw: choose_backend("cpu", 16, 16, **kw),
+            lambda: choose_kernel("cpu", 16, 16, "torch"),
+        ),
+    }
+    for name, (call, new) in calls.items():
+        old, caught = _deprecated(functools.partial(call, backend="torch"))
+        _assert_warned(caught, name)
+        want = new()
+        pairs = zip(old, want) if isinstance(old, tuple) else [(old, want)]
+        for got, expected in pairs:
+            assert torch.equal(got, expected) if isinstance(got, torch.Tensor) else got == expected
+        message = _type_error(functools.partial(call, backend="torch", kernel="torch"))
+        assert name in message and "kernel=" in message and "backend=" in message, message
+    # the positional fourth argument of choose_backend is kernel: with backend= too, both
+    message = _type_error(lambda: choose_backend("cpu", 16, 16, "torch", backend="torch"))
+    assert "kernel=" in message and "backend=" in message, message
+    assert choose_backend("cpu", 16, 16, "torch") == choose_kernel("cpu", 16, 16, "torch")

@@ -2,9 +2,9 @@
 
 Rejected inputs (README, "Errors"); each case names the message it must carry:
 - S/M: dtype other than fp32, shape mismatch, device mismatch, non-unit column stride;
-- K or V unsupported by the chosen backend (explicit ``backend="triton"``);
+- K or V unsupported by the chosen backend (explicit ``kernel="triton"``);
 - ``rank`` outside ``[0, P)``;
-- unknown protocol, unknown backend;
+- unknown protocol, unknown kernel;
 - ``group_size`` not a positive int (bools rejected), not dividing P, or given to a protocol
   that takes none;
 - a mesh that is not 1-D, or whose rank order is not chronological;
@@ -47,7 +47,7 @@ def _cases(mesh: Any, mesh2d: Any, shuffled: Any) -> dict[str, tuple[str, Callab
     S = torch.randn(1, 2, 16, 32)
     M = torch.randn(1, 2, 16, 16)
     ex = build_state_exchange(mesh, "allgather")
-    ex_tr = build_state_exchange(mesh, "p2p", backend="triton")
+    ex_tr = build_state_exchange(mesh, "p2p", kernel="triton")
     q, k, v, g, beta, h0 = (x.float() for x in kda_inputs(1, 6, 2, 16, 32))
     q24 = torch.randn(1, 6, 2, 24)
     S4, M4 = S.expand(4, -1, -1, -1, -1), M.expand(4, -1, -1, -1, -1)
@@ -57,8 +57,8 @@ def _cases(mesh: Any, mesh2d: Any, shuffled: Any) -> dict[str, tuple[str, Callab
     x = torch.randn(1, 5, 32, dtype=torch.float64)
     return {
         "unknown protocol": ("unknown protocol 'ring'", lambda: build_state_exchange(mesh, "ring")),
-        "unknown backend": ("unknown backend 'cuda'",
-                            lambda: build_state_exchange(mesh, "p2p", backend="cuda")),
+        "unknown kernel": ("unknown kernel 'cuda'",
+                            lambda: build_state_exchange(mesh, "p2p", kernel="cuda")),
         "group_size for p2p": ("only valid for protocol 'grouped', not 'p2p'",
                                lambda: build_state_exchange(mesh, "p2p", 2)),
         "group_size for auto": ("only valid for protocol 'grouped', not 'auto'",
@@ -88,8 +88,8 @@ def _cases(mesh: Any, mesh2d: Any, shuffled: Any) -> dict[str, tuple[str, Callab
                            lambda: cp(q, k, v, g, beta, mesh, protocol="tree")),
         "layer group_size": ("only valid for protocol 'grouped'",
                              lambda: cp(q, k, v, g, beta, mesh, protocol="p2p", group_size=2)),
-        "layer triton dims": ("backend 'triton' does not support these dims",
-                              lambda: cp(q24, q24, v, q24, beta, mesh, backend="triton")),
+        "layer triton dims": ("kernel 'triton' does not support these dims",
+                              lambda: cp(q24, q24, v, q24, beta, mesh, kernel="triton")),
         "halo width": ("width must be a positive int", lambda: causal_conv_halo(x, 0, mesh)),
         "halo seq_dim": ("seq_dim 3 is not a dim", lambda: causal_conv_halo(x, 4, mesh, seq_dim=3)),
         "halo 2-D mesh": ("halo mesh must be 1-D", lambda: causal_conv_halo(x, 4, mesh2d)),

@@ -37,7 +37,7 @@ def _exchange_rank(P: int) -> dict[str, object]:
     S, M, G = (x[r].float() for x in _summaries(P, seed=P))
     results: dict[str, object] = {}
     for protocol, width in CASES[P]:
-        ex = build_state_exchange(mesh, protocol, width, backend="torch")
+        ex = build_state_exchange(mesh, protocol, width, kernel="torch")
         results[f"{protocol}:{width}"] = (ex.forward(S, M), ex.backward(G, M))
         if protocol == "auto":
             results["auto_choice"] = ex.choice(S)  # type: ignore[attr-defined]

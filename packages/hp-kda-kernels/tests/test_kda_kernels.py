@@ -30,8 +30,8 @@ def test_triton_merge_matches_torch_backend_every_rank_both_directions(K: int, V
     S, M = (x.float() for x in random_summaries(P, B, H, K, V, seed=K + V))
     for forward in (True, False):
         for rank in range(P):
-            want = affine_merge(S, M, rank, forward=forward, backend="torch")
-            got = affine_merge(S, M, rank, forward=forward, backend="triton")
+            want = affine_merge(S, M, rank, forward=forward, kernel="torch")
+            got = affine_merge(S, M, rank, forward=forward, kernel="triton")
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -44,8 +44,8 @@ def test_triton_scan_matches_torch_backend_on_packed_views(K: int, V: int) -> No
     x = torch.randn(B, H, K, V)
     for forward, indices in ((True, range(0, w)), (False, range(w - 1, -1, -1))):
         for c in (0, 2, w):
-            want = affine_scan(maps, x, indices, forward=forward, prefix_count=c, backend="torch")
-            got = affine_scan(maps, x, indices, forward=forward, prefix_count=c, backend="triton")
+            want = affine_scan(maps, x, indices, forward=forward, prefix_count=c, kernel="torch")
+            got = affine_scan(maps, x, indices, forward=forward, prefix_count=c, kernel="triton")
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -66,7 +66,7 @@ def test_triton_launch_splits_batch_heads_to_respect_grid_limit(
 
     monkeypatch.setattr(_triton_fold, "GRID_LIMIT", 5)
     monkeypatch.setattr(_triton_fold, "_affine_fold_kernel", Recorder())
-    got = affine_merge(S, M, 1, backend="triton")
-    want = affine_merge(S, M, 1, backend="torch")
+    got = affine_merge(S, M, 1, kernel="triton")
+    want = affine_merge(S, M, 1, kernel="torch")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert len(launches) == 3  # 6 batch·heads, 2 value tiles, at most 2 batch·heads per launch

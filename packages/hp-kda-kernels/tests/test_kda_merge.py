@@ -12,7 +12,7 @@ import pytest
 import torch
 from _kda_testutil import fold64, max_rel_err, random_summaries
 
-from hyper_parallel.kda import affine_merge, affine_scan, choose_backend, merge
+from hyper_parallel.kda import affine_merge, affine_scan, choose_backend, choose_kernel, merge
 
 
 @pytest.mark.parametrize("forward", [True, False])
@@ -23,7 +23,7 @@ def test_affine_merge_folds_every_rank_position_like_float64(forward: bool) -> N
     for rank in range(P):
         order = list(range(rank)) if forward else list(range(P - 1, rank, -1))
         want = fold64(S64, M64, order, forward)[-1]
-        got = affine_merge(S, M, rank, forward=forward, backend="torch")
+        got = affine_merge(S, M, rank, forward=forward, kernel="torch")
         assert got.shape == (B, H, K, V) and got.is_contiguous() and got.dtype == torch.float32
         if not order:
             assert torch.equal(got, torch.zeros_like(got))
@@ -39,7 +39,7 @@ def test_affine_merge_reads_views_of_packed_storage() -> None:
     assert not states.is_contiguous() and not maps.is_contiguous()
     for forward in (True, False):
         for rank in range(P):
-            got = affine_merge(states, maps, rank, forward=forward, backend="torch")
+            got = affine_merge(states, maps, rank, forward=forward, kernel="torch")
             order = list(range(rank)) if forward else list(range(P - 1, rank, -1))
             want = fold64(S64.float(), M64.float(), order, forward)[-1]
             assert got.is_contiguous()
@@ -59,7 +59,7 @@ def test_affine_scan_returns_prefix_and_full_fold_from_incoming(forward: bool) -
     for c in range(w + 1):
         prefix, full = affine_scan(
             (S64.float(), M64.float()), x64.float(), indices, forward=forward, prefix_count=c,
-            backend="torch",
+            kernel="torch",
         )  # fmt: skip
         assert max_rel_err(prefix, trail[c]) < 1e-5
         assert max_rel_err(full, trail[-1]) < 1e-5
@@ -69,7 +69,7 @@ def test_affine_scan_returns_prefix_and_full_fold_from_incoming(forward: bool) -
 
 
 def test_auto_backend_on_cpu_is_torch_and_never_imports_triton() -> None:
-    name, reason = choose_backend("cpu", 128, 128)
+    name, reason = choose_kernel("cpu", 128, 128)
     assert name == "torch" and "CUDA/NPU" in reason
     assert choose_backend("cpu", 24, 128, "torch") == ("torch", "requested")
     code = (
@@ -93,12 +93,12 @@ def test_without_triton_installed_the_torch_backend_serves() -> None:
         "import sys\n"
         "sys.modules['triton'] = None  # what an environment without triton looks like\n"
         "import torch\n"
-        "from hyper_parallel.kda import affine_merge, choose_backend\n"
-        "assert choose_backend('cuda', 128, 128) == ('torch', 'triton is not installed')\n"
+        "from hyper_parallel.kda import affine_merge, choose_kernel\n"
+        "assert choose_kernel('cuda', 128, 128) == ('torch', 'triton is not installed')\n"
         "S = torch.randn(2, 1, 1, 16, 16); M = torch.randn(2, 1, 1, 16, 16)\n"
         "assert torch.allclose(affine_merge(S, M, 1), S[0])\n"
         "try:\n"
-        "    affine_merge(S, M, 1, backend='triton')\n"
+        "    affine_merge(S, M, 1, kernel='triton')\n"
         "except ValueError as exc:\n"
         "    assert 'not installed' in str(exc)\n"
         "    print('ok')\n"
@@ -110,9 +110,9 @@ def test_without_triton_installed_the_torch_backend_serves() -> None:
 def test_explicit_triton_backend_rejects_unsupported_dims() -> None:
     S, M = (x.float() for x in random_summaries(2, 1, 1, 24, 16))
     with pytest.raises(ValueError, match="K and V in"):
-        affine_merge(S, M, 1, backend="triton")
-    with pytest.raises(ValueError, match="unknown backend"):
-        affine_merge(S, M, 1, backend="cuda")
+        affine_merge(S, M, 1, kernel="triton")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        affine_merge(S, M, 1, kernel="cuda")
 
 
 def test_merge_and_scan_reject_bad_inputs() -> None:
@@ -154,7 +154,7 @@ def test_auto_backend_falls_back_where_the_triton_kernel_does_not_fit(
     monkeypatch: pytest.MonkeyPatch, K: int, V: int, limit_kib: int, picked: str
 ) -> None:
     monkeypatch.setattr(merge, "_device_shared_memory", lambda dev: limit_kib * KIB)
-    name, reason = choose_backend("cuda:0", K, V)
+    name, reason = choose_kernel("cuda:0", K, V)
     assert name == picked, reason
     if picked == "torch":
         need = merge.triton_fold_shared_memory(K, V) // KIB
@@ -162,10 +162,10 @@ def test_auto_backend_falls_back_where_the_triton_kernel_does_not_fit(
             f"the Triton fold needs {need} KiB of shared memory at K={K}, V={V}; "
             f"cuda:0 allows {limit_kib} KiB per block"
         )
-        with pytest.raises(ValueError, match="backend 'triton' cannot run here: the Triton fold"):
-            choose_backend("cuda:0", K, V, "triton")
+        with pytest.raises(ValueError, match="kernel 'triton' cannot run here: the Triton fold"):
+            choose_kernel("cuda:0", K, V, "triton")
     else:
-        assert choose_backend("cuda:0", K, V, "triton") == ("triton", "requested")
+        assert choose_kernel("cuda:0", K, V, "triton") == ("triton", "requested")
 
 
 def test_kernel_shared_memory_estimate_matches_the_measured_147_kib_at_k128() -> None:
@@ -177,6 +177,6 @@ def test_kernel_shared_memory_estimate_matches_the_measured_147_kib_at_k128() ->
 
 def test_unknown_device_limit_falls_back_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(merge, "_device_shared_memory", lambda dev: None)
-    name, reason = choose_backend("cuda", 128, 128)
+    name, reason = choose_kernel("cuda", 128, 128)
     assert name == "torch"
     assert reason == "the shared memory of cuda is unknown; the Triton fold needs 150528 B"

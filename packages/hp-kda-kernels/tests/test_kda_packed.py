@@ -128,7 +128,7 @@ def _rank(P: int) -> dict[str, Any]:
         inputs = [x[:, r * s : (r + 1) * s].clone().requires_grad_() for x in full[:5]]
         h0 = full[5].clone().requires_grad_()
         o, _ = kda_context_parallel(
-            *inputs, mesh, protocol=protocol, initial_state=h0, backend=_backend(backend),
+            *inputs, mesh, protocol=protocol, initial_state=h0, kernel=_backend(backend),
             cu_seqlens=torch.tensor(offsets),
         )  # fmt: skip
         (o * _weights((1, T, 2, 16), 7)[:, r * s : (r + 1) * s]).sum().backward()

@@ -12,7 +12,7 @@ from .cost import DEFAULT_COST_PARAMS, CostParams, ProtocolChoice, choose_protoc
 from .exchange import PROTOCOLS, PendingExchange, StateExchange, build_state_exchange
 from .halo import PendingHalo, causal_conv_halo, start_causal_conv_halo
 from .layer import kda_context_parallel
-from .merge import affine_merge, affine_scan, choose_backend
+from .merge import KERNELS, affine_merge, affine_scan, choose_backend, choose_kernel
 from .naive import naive_recurrent_kda, naive_state_summary
 from .packing import PackedBlock, packed_block
 from .parallelize import (
@@ -25,6 +25,7 @@ from .parallelize import (
 
 __all__ = [
     "DEFAULT_COST_PARAMS",
+    "KERNELS",
     "PROTOCOLS",
     "SUPPORTED_KDA_CLASSES",
     "is_kda_parallel",
@@ -41,6 +42,7 @@ __all__ = [
     "build_state_exchange",
     "causal_conv_halo",
     "choose_backend",
+    "choose_kernel",
     "choose_protocol",
     "chunk_kda",
     "kda_context_parallel",

@@ -20,6 +20,7 @@ leaders (gather, receive, scan, send) at the start too.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,9 +31,10 @@ from hyper_parallel.dtensor import comm
 from hyper_parallel.dtensor.consistency import checked_entry
 
 from ._checks import check_summary_pair
+from ._renamed import accepts_backend
 from .cost import CostParams, ProtocolChoice, choose_protocol, grouped_widths
 from .halo import OWNER
-from .merge import affine_merge, affine_scan, choose_backend
+from .merge import KERNELS, affine_merge, affine_scan, choose_kernel
 
 __all__ = ["PROTOCOLS", "PendingExchange", "StateExchange", "build_state_exchange"]
 
@@ -41,11 +43,11 @@ PROTOCOLS = ("p2p", "allgather", "grouped", "auto")
 _TAG_FWD, _TAG_BWD = 7301, 7302
 
 
-def _validate(S: torch.Tensor, M: torch.Tensor, device_type: str, backend: str, what: str) -> None:
+def _validate(S: torch.Tensor, M: torch.Tensor, device_type: str, kernel: str, what: str) -> None:
     *_, K, V = check_summary_pair(S, M, lead=0, what=what)
     if S.device.type != device_type:
         raise ValueError(f"{what}: tensors on {S.device} but the mesh is a {device_type!r} mesh")
-    choose_backend(S.device, K, V, backend)
+    choose_kernel(S.device, K, V, kernel)
 
 
 class PendingExchange:
@@ -82,7 +84,7 @@ def _exchange_fields(ex: StateExchange, S: Any, M: Any) -> tuple[Any, dict[str, 
     fixes their shapes and protocol, forward and backward."""
     return ex.group, {
         "states": S, "maps": M, "protocol": ex.protocol, "group_size": ex.group_size,
-        "backend": ex.backend, "world_size": ex.world_size,
+        "kernel": ex.kernel, "world_size": ex.world_size,
     }  # fmt: skip
 
 
@@ -91,13 +93,14 @@ class StateExchange:
 
     protocol: str = ""
 
-    def __init__(self, mesh: Any, ranks: tuple[int, ...], group: Any, backend: str) -> None:
+    @accepts_backend("StateExchange")
+    def __init__(self, mesh: Any, ranks: tuple[int, ...], group: Any, kernel: str) -> None:
         self.mesh = mesh
         self.ranks = ranks
         self.group = group
         self.world_size = len(ranks)
         self.position = ranks.index(dist.get_rank())
-        self.backend = backend
+        self.kernel = kernel  # the merge/scan fold kernel ("auto", "torch", "triton")
         self.group_size: int | None = None
         # the group in block order, for hp-dtensor's comm (group ranks = positions here)
         device_type = str(getattr(mesh, "device_type", "cpu"))
@@ -107,7 +110,7 @@ class StateExchange:
     def forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """``S: [B, H, K, V]``, ``M: [B, H, K, K]`` fp32 (this rank's summary) → ``h_in(r)``
         ``[B, H, K, V]`` (zeros on the first rank). Consistency mode: the ranks first compare
-        ``S``, ``M`` (shape, dtype), the protocol, the group size, the fold backend and the
+        ``S``, ``M`` (shape, dtype), the protocol, the group size, the fold kernel and the
         world size."""
         return self.exchange_forward(S, M)
 
@@ -129,16 +132,26 @@ class StateExchange:
     def start_forward(self, S: torch.Tensor, M: torch.Tensor) -> PendingExchange:
         """Launch :meth:`exchange_forward`; ``wait()`` on the result gives ``h_in(r)``. Compute
         placed between the two overlaps the transfers in flight (see the module docstring)."""
-        _validate(S, M, self._device_type(), self.backend, f"{self.protocol} forward")
+        _validate(S, M, self._device_type(), self.kernel, f"{self.protocol} forward")
         with torch.no_grad():
             return PendingExchange(self._start_forward(S.detach(), M.detach()))
 
     def start_backward(self, G: torch.Tensor, M: torch.Tensor) -> PendingExchange:
         """Launch :meth:`exchange_backward`; ``wait()`` gives the gradient at this rank's
         outgoing state."""
-        _validate(G, M, self._device_type(), self.backend, f"{self.protocol} backward")
+        _validate(G, M, self._device_type(), self.kernel, f"{self.protocol} backward")
         with torch.no_grad():
             return PendingExchange(self._start_backward(G.detach(), M.detach()))
+
+    @property
+    def backend(self) -> str:
+        """Deprecated name of :attr:`kernel` (warns)."""
+        warnings.warn(
+            "StateExchange.backend is deprecated, read StateExchange.kernel",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.kernel
 
     def _device_type(self) -> str:
         return str(getattr(self.mesh, "device_type", "cpu"))
@@ -159,10 +172,10 @@ class StateExchange:
 
 
 def _step(
-    S: torch.Tensor, M: torch.Tensor, x: torch.Tensor, forward: bool, backend: str
+    S: torch.Tensor, M: torch.Tensor, x: torch.Tensor, forward: bool, kernel: str
 ) -> torch.Tensor:
     out = affine_scan(
-        (S.unsqueeze(0), M.unsqueeze(0)), x, range(0, 1), forward=forward, backend=backend
+        (S.unsqueeze(0), M.unsqueeze(0)), x, range(0, 1), forward=forward, kernel=kernel
     )
     assert isinstance(out, torch.Tensor)
     return out
@@ -185,7 +198,7 @@ class _P2P(StateExchange):
             else:  # the chain's end: the receive stays in flight until wait()
                 works.append(recv)
         if 0 <= nxt < P:
-            out = _step(S, M, acc, forward, self.backend)
+            out = _step(S, M, acc, forward, self.kernel)
             works.append(comm.start_send(out, nxt, g, f"send:{phase[1]}", phase[0], OWNER, tag=tag))
         return _waiting(works, lambda: acc)  # the finisher keeps the send buffer alive
 
@@ -233,7 +246,7 @@ class _AllGather(StateExchange):
 
         def finish() -> torch.Tensor:
             states, maps = gathered()
-            return affine_merge(states, maps, self.position, forward=forward, backend=self.backend)
+            return affine_merge(states, maps, self.position, forward=forward, kernel=self.kernel)
 
         return finish
 
@@ -248,9 +261,9 @@ class _Grouped(StateExchange):
     protocol = "grouped"
 
     def __init__(
-        self, mesh: Any, ranks: tuple[int, ...], group: Any, backend: str, width: int
+        self, mesh: Any, ranks: tuple[int, ...], group: Any, kernel: str, width: int
     ) -> None:
-        super().__init__(mesh, ranks, group, backend)
+        super().__init__(mesh, ranks, group, kernel)
         self.group_size = width
         P = self.world_size
         if width in (1, P):
@@ -298,7 +311,7 @@ class _Grouped(StateExchange):
                 comm.start_recv(incoming, r - step, g, f"recv:{what}", phase, OWNER, tag=tag).wait()
             order = range(0, w) if forward else range(w - 1, -1, -1)
             own, out = affine_scan(
-                maps, incoming, order, forward=forward, prefix_count=w - 1, backend=self.backend
+                maps, incoming, order, forward=forward, prefix_count=w - 1, kernel=self.kernel
             )
             if has_next:
                 works.append(
@@ -320,7 +333,7 @@ class _Grouped(StateExchange):
             if own is not None:
                 return own
             order = range(0, i) if forward else range(w - 1, i, -1)
-            result = affine_scan(gathered(), incoming, order, forward=forward, backend=self.backend)
+            result = affine_scan(gathered(), incoming, order, forward=forward, kernel=self.kernel)
             assert isinstance(result, torch.Tensor)
             return result
 
@@ -346,17 +359,17 @@ class _Auto(StateExchange):
         mesh: Any,
         ranks: tuple[int, ...],
         group: Any,
-        backend: str,
+        kernel: str,
         params: CostParams | None,
     ) -> None:
-        super().__init__(mesh, ranks, group, backend)
+        super().__init__(mesh, ranks, group, kernel)
         self.params = params
         self.candidates: dict[tuple[str, int | None], StateExchange] = {
-            ("p2p", None): _P2P(mesh, ranks, group, backend),
-            ("allgather", None): _AllGather(mesh, ranks, group, backend),
+            ("p2p", None): _P2P(mesh, ranks, group, kernel),
+            ("allgather", None): _AllGather(mesh, ranks, group, kernel),
         }
         for w in grouped_widths(self.world_size):
-            self.candidates[("grouped", w)] = _Grouped(mesh, ranks, group, backend, w)
+            self.candidates[("grouped", w)] = _Grouped(mesh, ranks, group, kernel, w)
 
     def choice(self, S: torch.Tensor) -> ProtocolChoice:
         """The decision (with its explanation) for summaries shaped like ``S``."""
@@ -398,7 +411,7 @@ def _build_fields(
     protocol: Any = "auto",
     group_size: Any = None,
     *,
-    backend: Any = "auto",
+    kernel: Any = "auto",
     cost_params: Any = None,
 ) -> tuple[Any, dict[str, Any]] | None:
     """:func:`build_state_exchange`'s consistency signature. Compared for every protocol (not
@@ -407,36 +420,38 @@ def _build_fields(
     if getattr(mesh, "ndim", None) != 1 or not hasattr(mesh, "get_group"):
         return None  # rejected on every rank by the checks, before communicating
     return mesh.get_group(0), {
-        "protocol": protocol, "group_size": group_size, "backend": backend,
+        "protocol": protocol, "group_size": group_size, "kernel": kernel,
         "cost_params": cost_params, "mesh_size": mesh.size(),
     }  # fmt: skip
 
 
+@accepts_backend("build_state_exchange")
 @checked_entry("build_state_exchange", _build_fields)
 def build_state_exchange(
     mesh: Any,
     protocol: str = "auto",
     group_size: int | None = None,
     *,
-    backend: str = "auto",
+    kernel: str = "auto",
     cost_params: CostParams | None = None,
 ) -> StateExchange:
     """Build the executor for a 1-D, chronologically ordered context-parallel ``mesh``.
 
     ``protocol`` is ``"p2p"``, ``"allgather"``, ``"grouped"`` (``group_size`` w divides P;
     default: the largest divisor ≤ √P; w == P behaves as allgather, w == 1 as p2p) or
-    ``"auto"`` (per call, :func:`choose_protocol` with ``cost_params``). ``backend`` selects the
-    fold backend (``"auto"``, ``"torch"``, ``"triton"``). Collective over the mesh only when
+    ``"auto"`` (per call, :func:`choose_protocol` with ``cost_params``). ``kernel`` selects the
+    merge/scan fold kernel (``"auto"``, ``"torch"``, ``"triton"``; ``backend=``, its earlier
+    name, still works with a ``DeprecationWarning``). Collective over the mesh only when
     the grouped sub-mesh must be created (``grouped`` / ``auto`` with P ≥ 4); every check runs
     first and raises ``ValueError`` on every rank. Consistency mode (``HP_CHECK_CONSISTENCY=1``
     or ``consistency_checks()``): first the ranks compare ``protocol``, ``group_size``,
-    ``backend``, ``cost_params`` and the mesh size (inside ``kda_context_parallel`` or
+    ``kernel``, ``cost_params`` and the mesh size (inside ``kda_context_parallel`` or
     ``parallelize_kda``, whose signatures hold these, nothing more is compared).
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected 'auto', 'torch' or 'triton'")
     ndim = getattr(mesh, "ndim", None)
     if ndim != 1:
         raise ValueError(f"the context-parallel mesh must be 1-D, got {mesh!r}")
@@ -447,9 +462,9 @@ def build_state_exchange(
     width = _check_group_size(protocol, group_size, len(ranks))
     group = mesh.get_group(0)
     if protocol == "p2p":
-        return _P2P(mesh, ranks, group, backend)
+        return _P2P(mesh, ranks, group, kernel)
     if protocol == "allgather":
-        return _AllGather(mesh, ranks, group, backend)
+        return _AllGather(mesh, ranks, group, kernel)
     if protocol == "grouped":
-        return _Grouped(mesh, ranks, group, backend, width or default_width(len(ranks)))
-    return _Auto(mesh, ranks, group, backend, cost_params)
+        return _Grouped(mesh, ranks, group, kernel, width or default_width(len(ranks)))
+    return _Auto(mesh, ranks, group, kernel, cost_params)

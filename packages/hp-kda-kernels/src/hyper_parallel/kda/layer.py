@@ -26,10 +26,11 @@ from hyper_parallel.dtensor.cache import WorldCache
 from hyper_parallel.dtensor.consistency import checked_entry
 
 from ._checks import check_chunk_size, check_kernel_dims, check_qkv, read_field
+from ._renamed import accepts_backend
 from .chunk import compose_chunks, output_terms, run_chunks, summary_terms
 from .cost import CostParams, choose_protocol
 from .exchange import PendingExchange, StateExchange, build_state_exchange, default_width
-from .merge import choose_backend
+from .merge import choose_kernel
 from .packing import PackedBlock, packed_block
 
 __all__ = ["kda_context_parallel"]
@@ -46,16 +47,14 @@ _OVERLAP = True
 
 
 def executor_for(
-    mesh: Any, protocol: str, group_size: int | None, backend: str, params: CostParams | None
+    mesh: Any, protocol: str, group_size: int | None, kernel: str, params: CostParams | None
 ) -> StateExchange:
     """The cached :func:`build_state_exchange` executor for these arguments in this world."""
     group = mesh.get_group(0) if getattr(mesh, "ndim", None) == 1 else None
-    key = (mesh, group, protocol, group_size, backend, params)
+    key = (mesh, group, protocol, group_size, kernel, params)
     return _EXECUTORS.get_or_create(
         key,
-        lambda: build_state_exchange(
-            mesh, protocol, group_size, backend=backend, cost_params=params
-        ),
+        lambda: build_state_exchange(mesh, protocol, group_size, kernel=kernel, cost_params=params),
     )
 
 
@@ -80,7 +79,7 @@ def call_signature(
     """What ranks compare for one KDA recurrence over the 1-D ``mesh`` (consistency mode):
     everything but the per-rank chunk length ``T_r`` and ``initial_state`` (read on the first
     rank only). ``tensors``: ``q, k, v, g, beta``; ``dims``: ``(B, H, K, V)``; ``options``
-    (compared as given): ``protocol``, ``group_size``, ``backend``, ``scale``, ``chunk_size``,
+    (compared as given): ``protocol``, ``group_size``, ``kernel``, ``scale``, ``chunk_size``,
     ``output_final_state``, ``cost_params``, ``cu_seqlens`` (the table's values). Only reads:
     a value that cannot be read is compared as its error."""
     q = tensors["q"]
@@ -94,8 +93,8 @@ def call_signature(
                 mesh, options["protocol"], options["group_size"], dims, options["cost_params"]
             )
         ),
-        "merge_backend": read_field(
-            lambda: choose_backend(q.device, dims[2], dims[3], options["backend"])[0]
+        "kernel_chosen": read_field(
+            lambda: choose_kernel(q.device, dims[2], dims[3], options["kernel"])[0]
         ),
         "needs_grad": read_field(
             lambda: torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
@@ -125,7 +124,7 @@ def _kda_fields(
     initial_state: Any = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
-    backend: str = "auto",
+    kernel: str = "auto",
     cost_params: CostParams | None = None,
     cu_seqlens: Any = None,
     packed: PackedBlock | None = None,
@@ -138,7 +137,7 @@ def _kda_fields(
     dims = read_field(lambda: (q.shape[0], q.shape[2], q.shape[3], v.shape[3]))
     table = packed.offsets if isinstance(packed, PackedBlock) else table_values(cu_seqlens)
     options = {
-        "protocol": protocol, "group_size": group_size, "backend": backend, "scale": scale,
+        "protocol": protocol, "group_size": group_size, "kernel": kernel, "scale": scale,
         "chunk_size": chunk_size, "output_final_state": output_final_state,
         "cost_params": cost_params, "cu_seqlens": table,
         # whether this call gathers the block lengths itself (a caller's PackedBlock: no)
@@ -203,13 +202,14 @@ class _WaitExchange(torch.autograd.Function):
         state: _Exchange = ctx.state
         assert state.M is not None
         # No consistency check here: the forward's signature (dims, protocol and its choice,
-        # fold backend, whether gradients flow) fixes this exchange's shapes (fp32 [B, H, K,
+        # fold kernel, whether gradients flow) fixes this exchange's shapes (fp32 [B, H, K,
         # V]) and protocol, and every rank must run this backward anyway (a rank that does
         # not would leave a comparison waiting just as it leaves the exchange).
         state.pending = state.ex.start_backward(grad.to(torch.float32).contiguous(), state.M)
         return grad.new_zeros(0), None  # only orders the launch node's backward after this one
 
 
+@accepts_backend("kda_context_parallel")
 @checked_entry("kda_context_parallel", _kda_fields)
 @without_autocast  # state and summaries in float32 under autocast too: the core casts itself
 def kda_context_parallel(
@@ -226,7 +226,7 @@ def kda_context_parallel(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
-    backend: str = "auto",
+    kernel: str = "auto",
     cost_params: CostParams | None = None,
     cu_seqlens: torch.Tensor | None = None,
     packed: PackedBlock | None = None,
@@ -243,7 +243,9 @@ def kda_context_parallel(
     and the final state; when gradients are needed every rank must run backward through its
     output (the backward exchange is collective). State and summaries are fp32.
     ``protocol``/``group_size``/``cost_params`` configure :func:`build_state_exchange`;
-    ``backend`` selects the fold backend. All checks run before any communication.
+    ``kernel`` selects the merge/scan fold kernel (``"auto"``, ``"torch"``, ``"triton"``;
+    ``backend=``, its earlier name, still works with a ``DeprecationWarning``). All checks
+    run before any communication.
 
     Packed documents: ``cu_seqlens`` (1-D integer, the global document offsets ``[0, …, T]``
     over the whole sequence, identical on every rank, ``B == 1``) restarts the state from zero
@@ -256,7 +258,7 @@ def kda_context_parallel(
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): once per call,
     before any check or collective, every rank of ``mesh`` compares ``(B, H, K, V)``, the
     dtypes of ``q, k, v, g, beta``, the device type, ``protocol``, ``group_size``, the protocol
-    ``"auto"`` chose (with its group size), the fold (merge) backend chosen, ``scale``,
+    ``"auto"`` chose (with its group size), ``kernel`` and the fold kernel chosen, ``scale``,
     ``chunk_size``, ``output_final_state``, ``cost_params``, the ``cu_seqlens`` table's values,
     whether gradients will flow (the backward exchange) and the mesh size; the block placement
     and the state exchange it runs compare nothing more. Not compared: the chunk length
@@ -264,10 +266,10 @@ def kda_context_parallel(
     rank only). Ranks that disagree all raise ``InconsistentRanksError`` naming the field and
     the ranks.
     """
-    B, T, *_ = check_inputs(q, k, v, g, beta, initial_state, chunk_size, backend, mesh)
+    B, T, *_ = check_inputs(q, k, v, g, beta, initial_state, chunk_size, kernel, mesh)
     if cu_seqlens is not None and packed is None:
         packed = packed_block(cu_seqlens, mesh, B, T, q.device, "kda_context_parallel")
-    ex = executor_for(mesh, protocol, group_size, backend, cost_params)
+    ex = executor_for(mesh, protocol, group_size, kernel, cost_params)
     return run_with_executor(
         q, k, v, g, beta, ex, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, chunk_size=chunk_size, packed=packed,
@@ -282,14 +284,14 @@ def check_inputs(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
     chunk_size: int,
-    backend: str,
+    kernel: str,
     mesh: Any,
 ) -> tuple[int, int, int, int, int]:
     """The checks of one KDA call, before any communication: ``(B, T_r, H, K, V)``."""
     B, T, H, K, V = check_qkv(q, k, v, g, beta, initial_state)
     check_chunk_size(chunk_size)
-    if backend == "triton" and (why := check_kernel_dims(K, V)):
-        raise ValueError(f"backend 'triton' does not support these dims: {why}")
+    if kernel == "triton" and (why := check_kernel_dims(K, V)):
+        raise ValueError(f"kernel 'triton' does not support these dims: {why}")
     dev_type = str(getattr(mesh, "device_type", "cpu"))
     if q.device.type != dev_type:
         raise ValueError(f"inputs on {q.device} but the mesh is a {dev_type!r} mesh")

@@ -4,11 +4,12 @@ A rank's chunk is the affine map ``h_out = M h_in + S``. ``affine_merge`` folds 
 every earlier rank (forward: ``acc = 0; for j < r: acc = M_j acc + S_j``) or the gradients of
 every later rank (backward: ``acc = 0; for j = P-1 … r+1: acc = M_jᵀ acc + G_j``).
 ``affine_scan`` folds an ordered ``range`` of group slots from an incoming state and can return
-the intermediate prefix too (the grouped exchange needs both). Two backends share one
-signature: ``"torch"`` (batched matmuls, always available) and ``"triton"`` (one kernel, fp32
-accumulation, exact fp32 dots); ``"auto"`` takes Triton only on CUDA/NPU when it is importable,
-K and V are supported and (CUDA) the kernel fits the device's shared memory, and
-:func:`choose_backend` says why.
+the intermediate prefix too (the grouped exchange needs both). Two fold kernels share one
+signature, chosen with ``kernel=``: ``"torch"`` (batched matmuls, always available) and
+``"triton"`` (one kernel, fp32 accumulation, exact fp32 dots); ``"auto"`` takes Triton only on
+CUDA/NPU when it is importable, K and V are supported and (CUDA) the kernel fits the device's
+shared memory, and :func:`choose_kernel` says why. (``backend=``, the keyword's earlier name,
+still works with a ``DeprecationWarning``.)
 """
 
 from __future__ import annotations
@@ -20,10 +21,19 @@ import os
 import torch
 
 from ._checks import check_kernel_dims, check_summary_pair
+from ._renamed import accepts_backend
 
-__all__ = ["affine_merge", "affine_scan", "choose_backend", "triton_fold_shared_memory"]
+__all__ = [
+    "KERNELS",
+    "affine_merge",
+    "affine_scan",
+    "choose_backend",
+    "choose_kernel",
+    "triton_fold_shared_memory",
+]
 
-_BACKENDS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "triton")
+"""The values of ``kernel=``: the merge/scan fold kernel."""
 
 
 def triton_fold_shared_memory(K: int, V: int) -> int:
@@ -61,34 +71,35 @@ def _query_shared_memory(index: int) -> int | None:
         return None
 
 
-def choose_backend(
-    device: torch.device | str, K: int, V: int, backend: str = "auto"
+def choose_kernel(
+    device: torch.device | str, K: int, V: int, kernel: str = "auto"
 ) -> tuple[str, str]:
-    """Resolve ``backend`` (the fold backend: ``"torch"`` or ``"triton"``) for summaries on
-    ``device`` with dims ``K, V``: ``(name, reason)``.
+    """Resolve ``kernel`` (the merge/scan fold kernel: ``"auto"``, ``"torch"`` or
+    ``"triton"``) for summaries on ``device`` with dims ``K, V``: ``(name, reason)``, ``name``
+    ``"torch"`` or ``"triton"``.
 
     ``"auto"`` takes Triton only on CUDA/NPU when it is importable, K and V are supported and,
     on CUDA, the kernel's shared memory (:func:`triton_fold_shared_memory`) fits the device's
     opt-in limit; otherwise torch, and the reason says why. Raises ``ValueError`` for an
-    unknown backend or an explicit ``"triton"`` that cannot run. Imports Triton only to read a
+    unknown kernel or an explicit ``"triton"`` that cannot run. Imports Triton only to read a
     CUDA device's limit when torch does not report it.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     dev = torch.device(device)
     bad_dims = check_kernel_dims(K, V)
     has_triton = importlib.util.find_spec("triton") is not None
-    if backend == "torch":
+    if kernel == "torch":
         return "torch", "requested"
-    if backend == "triton":
+    if kernel == "triton":
         if bad_dims:
-            raise ValueError(f"backend 'triton' does not support these dims: {bad_dims}")
+            raise ValueError(f"kernel 'triton' does not support these dims: {bad_dims}")
         if not has_triton:
-            raise ValueError("backend 'triton' requested but triton is not installed")
+            raise ValueError("kernel 'triton' requested but triton is not installed")
         if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("backend 'triton' on CPU tensors needs TRITON_INTERPRET=1")
+            raise ValueError("kernel 'triton' on CPU tensors needs TRITON_INTERPRET=1")
         if dev.type == "cuda" and (too_big := _shared_memory_problem(dev, K, V)):
-            raise ValueError(f"backend 'triton' cannot run here: {too_big}")
+            raise ValueError(f"kernel 'triton' cannot run here: {too_big}")
         return "triton", "requested"
     if dev.type not in ("cuda", "npu"):
         return "torch", f"device {dev.type}: the Triton kernels target CUDA/NPU"
@@ -99,6 +110,15 @@ def choose_backend(
     if dev.type == "cuda" and (too_big := _shared_memory_problem(dev, K, V)):
         return "torch", too_big
     return "triton", f"{dev.type} device, triton importable, K={K} and V={V} supported"
+
+
+@accepts_backend("choose_backend")
+def choose_backend(
+    device: torch.device | str, K: int, V: int, kernel: str = "auto"
+) -> tuple[str, str]:
+    """:func:`choose_kernel` under its earlier name (kept; ``backend=`` is accepted with a
+    ``DeprecationWarning``)."""
+    return choose_kernel(device, K, V, kernel)
 
 
 def _shared_memory_problem(dev: torch.device, K: int, V: int) -> str | None:
@@ -128,10 +148,10 @@ def _fold(
     count: int,
     forward: bool,
     prefix_count: int | None,
-    backend: str,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     *_, K, V = states.shape
-    name, _ = choose_backend(states.device, K, V, backend)
+    name, _ = choose_kernel(states.device, K, V, kernel)
     if name == "triton":
         from ._triton_fold import affine_fold
 
@@ -168,13 +188,14 @@ def _torch_fold(
     return acc.contiguous(), prefix
 
 
+@accepts_backend("affine_merge")
 def affine_merge(
     states: torch.Tensor,
     matrices: torch.Tensor,
     rank: int,
     *,
     forward: bool = True,
-    backend: str = "auto",
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Fold the gathered summaries of every rank before (forward) or after (backward) ``rank``.
 
@@ -183,7 +204,8 @@ def affine_merge(
     Forward returns ``Σ`` folded as ``acc = M_j acc + S_j`` for ``j = 0 … rank-1``; backward
     returns ``acc = M_jᵀ acc + G_j`` for ``j = P-1 … rank+1``. The result is a new contiguous
     ``[B, H, K, V]`` fp32 tensor, zeros when the fold is empty (rank 0 forward, rank P-1
-    backward). Not differentiable (the exchange defines its own backward).
+    backward). Not differentiable (the exchange defines its own backward). ``kernel``: the
+    fold kernel (:func:`choose_kernel`).
     """
     P = check_summary_pair(states, matrices, lead=1, what="affine_merge")[0]
     rank = _check_index(rank, "rank")
@@ -194,10 +216,11 @@ def affine_merge(
     else:
         start, step, count = P - 1, -1, P - 1 - rank
     with torch.no_grad():
-        out, _ = _fold(states, matrices, None, start, step, count, forward, None, backend)
+        out, _ = _fold(states, matrices, None, start, step, count, forward, None, kernel)
     return out
 
 
+@accepts_backend("affine_scan")
 def affine_scan(
     maps: tuple[torch.Tensor, torch.Tensor],
     incoming: torch.Tensor | None,
@@ -205,7 +228,7 @@ def affine_scan(
     *,
     forward: bool = True,
     prefix_count: int | None = None,
-    backend: str = "auto",
+    kernel: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fold the group slots ``indices`` (in that order) starting from ``incoming``.
 
@@ -214,6 +237,7 @@ def affine_scan(
     values lie in ``[0, w)``. Each step is ``acc = M_i acc + S_i`` (forward) or
     ``acc = M_iᵀ acc + S_i`` (backward). Returns the final ``[B, H, K, V]``; with
     ``prefix_count = c`` returns ``(acc after c steps, final)``, ``0 <= c <= len(indices)``.
+    ``kernel``: the fold kernel (:func:`choose_kernel`).
     """
     if not isinstance(maps, (tuple, list)) or len(maps) != 2:
         raise ValueError("affine_scan: maps must be a pair (states, matrices)")
@@ -238,7 +262,7 @@ def affine_scan(
     with torch.no_grad():
         out, prefix = _fold(
             states, matrices, incoming, start, indices.step, len(indices), forward,
-            prefix_count, backend,
+            prefix_count, kernel,
         )  # fmt: skip
     if prefix_count is None:
         return out

@@ -39,6 +39,8 @@ from hyper_parallel.dtensor.rewrite import (
     uninstall_forward,
 )
 
+from ._checks import check_kernel_dims
+from ._renamed import accepts_backend
 from .exchange import PROTOCOLS, StateExchange
 from .halo import start_causal_conv_halo
 from .layer import (
@@ -49,7 +51,7 @@ from .layer import (
     run_with_executor,
     table_values,
 )
-from .merge import choose_backend
+from .merge import KERNELS, choose_kernel
 from .packing import PackedBlock, packed_block
 
 __all__ = [
@@ -143,7 +145,7 @@ def _forward_fields(
     B = read_field(lambda: x.shape[0])
     dims = read_field(lambda: (x.shape[0], self.num_heads, self.head_dim, self.head_dim))
     params = list(self.parameters())
-    kernel = state.executor.backend
+    kernel = state.executor.kernel
     given = (("cache_params", cache_params), ("attention_mask", attention_mask),
              ("seq_idx", kwargs.get("seq_idx")))  # fmt: skip
     return mesh.get_group(0), {
@@ -158,8 +160,9 @@ def _forward_fields(
         "protocol_chosen": read_field(
             lambda: chosen_protocol(mesh, state.protocol, state.group_size, dims, None)
         ),
-        "merge_backend": read_field(
-            lambda: choose_backend(x.device, self.head_dim, self.head_dim, kernel)[0]
+        "kernel": kernel,
+        "kernel_chosen": read_field(
+            lambda: choose_kernel(x.device, self.head_dim, self.head_dim, kernel)[0]
         ),
         "layer": read_field(lambda: _layer_signature(self)),
         "param_dtypes": sorted({str(p.dtype) for p in params}),
@@ -220,7 +223,7 @@ def _cp_forward(
     q, k, v = (t.reshape(heads) for t in conv.split(self.num_heads * self.head_dim, dim=-1))
     q, k = _l2norm(q.float()), _l2norm(k.float())
     ex = state.executor
-    check_inputs(q, k, v, g, beta, None, _CHUNK, ex.backend, state.mesh)
+    check_inputs(q, k, v, g, beta, None, _CHUNK, ex.kernel, state.mesh)
     o, _ = run_with_executor(q, k, v, g, beta, ex, chunk_size=_CHUNK, packed=packed)
     return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.num_heads * self.head_dim))
 
@@ -273,7 +276,7 @@ def _make_forward(cls: type) -> Callable[..., torch.Tensor]:
 
 
 def _validate(
-    layer: nn.Module, cp_mesh: Any, protocol: Any
+    layer: nn.Module, cp_mesh: Any, protocol: Any, kernel: Any
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Every check of :func:`parallelize_kda` (before any communication); the activation."""
     module: Any = layer  # attributes checked below, by name
@@ -296,6 +299,10 @@ def _validate(
         raise ValueError(f"the context-parallel mesh must be 1-D, got {cp_mesh!r}")
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    if kernel == "triton" and (why := check_kernel_dims(module.head_dim, module.head_dim)):
+        raise ValueError(f"parallelize_kda: kernel 'triton' does not support these dims: {why}")
     if module.activation not in _ACTIVATIONS:
         known = sorted(str(a) for a in _ACTIVATIONS if a is not None)
         raise ValueError(f"parallelize_kda: activation {module.activation!r} not in {known}")
@@ -310,7 +317,12 @@ def _validate(
 
 
 def _parallelize_fields(
-    module: Any, cp_mesh: Any, *, protocol: Any = "auto", group_size: Any = None
+    module: Any,
+    cp_mesh: Any,
+    *,
+    protocol: Any = "auto",
+    group_size: Any = None,
+    kernel: Any = "auto",
 ) -> tuple[Any, dict[str, Any]] | None:
     """:func:`parallelize_kda`'s consistency signature (covers the executor it builds)."""
     if getattr(cp_mesh, "ndim", None) != 1 or not hasattr(cp_mesh, "get_group"):
@@ -318,15 +330,22 @@ def _parallelize_fields(
     return cp_mesh.get_group(0), {
         "protocol": protocol,
         "group_size": group_size,
+        "kernel": kernel,
         "module": type(module).__name__,
         "layer": read_field(lambda: _layer_signature(module)),
         "cp_size": read_field(cp_mesh.size),
     }
 
 
+@accepts_backend("parallelize_kda")
 @checked_entry("parallelize_kda", _parallelize_fields)
 def parallelize_kda(
-    module: nn.Module, cp_mesh: Any, *, protocol: str = "auto", group_size: int | None = None
+    module: nn.Module,
+    cp_mesh: Any,
+    *,
+    protocol: str = "auto",
+    group_size: int | None = None,
+    kernel: str = "auto",
 ) -> nn.Module:
     """Rewrite a stock KDA layer in place for context parallelism over the 1-D ``cp_mesh``.
 
@@ -338,12 +357,15 @@ def parallelize_kda(
     ``group_size`` choose the state exchange (see :func:`build_state_exchange`); its executor
     (and the grouped sub-meshes) is built here, collectively, so call this on every rank in
     the same order, and the module keeps it: a forward neither builds nor looks up an
-    executor. Returns ``module``.
+    executor. ``kernel`` is its merge/scan fold kernel (``"auto"``, ``"torch"``,
+    ``"triton"``, see :func:`choose_kernel`; ``backend=`` is accepted as a deprecated name).
+    Returns ``module``.
 
     Errors before any communication, leaving the module untouched: ``TypeError`` (a module
     other than :data:`SUPPORTED_KDA_CLASSES`, ``cp_mesh`` not a DeviceMesh), ``RuntimeError``
     (already parallelized), ``ValueError`` (mesh not 1-D or not in chronological rank order,
-    unknown protocol, bad ``group_size``, unsupported activation). At call time, on every
+    unknown protocol or kernel, bad ``group_size``, unsupported activation, ``kernel="triton"``
+    with a head dim it does not support). At call time, on every
     rank: ``cache_params`` or ``attention_mask`` not None, ``seq_idx``, a bad ``cu_seqlens``
     (see below) or a malformed ``hidden_states`` raise ``ValueError``.
 
@@ -355,18 +377,19 @@ def parallelize_kda(
     then the same exchanges as without documents).
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the
-    executor is built, the ranks of ``cp_mesh`` compare ``protocol``, ``group_size``, the
-    layer's class, sizes and parameter dtype. Each forward is compared once, before anything
-    else: ``hidden_states``' batch and feature sizes, dtype and device type (not its block
-    length ``T_r``), the rejected arguments given, the ``cu_seqlens`` table's values, the halo
-    width ``W − 1``, the protocol and what ``"auto"`` chose, the fold backend, the layer's
-    sizes and parameter dtypes, the autocast state, training mode, whether autograd records
-    and whether gradients flow; the halo, the block placement and the recurrence it runs
-    compare nothing more (their inputs follow from these), nor does its backward.
+    executor is built, the ranks of ``cp_mesh`` compare ``protocol``, ``group_size``,
+    ``kernel``, the layer's class, sizes and parameter dtype. Each forward is compared once,
+    before anything else: ``hidden_states``' batch and feature sizes, dtype and device type
+    (not its block length ``T_r``), the rejected arguments given, the ``cu_seqlens`` table's
+    values, the halo width ``W − 1``, the protocol and what ``"auto"`` chose, the fold kernel,
+    the layer's sizes and parameter dtypes, the autocast state, training mode, whether
+    autograd records and whether gradients flow; the halo, the block placement and the
+    recurrence it runs compare nothing more (their inputs follow from these), nor does its
+    backward.
     """
-    activation = _validate(module, cp_mesh, protocol)
+    activation = _validate(module, cp_mesh, protocol, kernel)
     # checks, then builds (or takes this world's executor for these options): once, here
-    executor = executor_for(cp_mesh, protocol, group_size, "auto", None)
+    executor = executor_for(cp_mesh, protocol, group_size, kernel, None)
     state = _KDAState(cp_mesh, protocol, group_size, type(module).__name__, activation, executor)
     install_forward(module, LAYER, state, _make_forward, prefix="ContextParallel")
     return module
@@ -391,11 +414,18 @@ class ContextParallelKDA(ParallelStyle):
     parallelize_module(model, cp_mesh, {"model.layers.0.self_attn": ContextParallelKDA()})
     """
 
-    def __init__(self, protocol: str = "auto", *, group_size: int | None = None) -> None:
+    @accepts_backend("ContextParallelKDA")
+    def __init__(
+        self, protocol: str = "auto", *, group_size: int | None = None, kernel: str = "auto"
+    ) -> None:
         super().__init__()
-        self.protocol, self.group_size = protocol, group_size
+        self.protocol, self.group_size, self.kernel = protocol, group_size, kernel
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         return parallelize_kda(
-            module, device_mesh, protocol=self.protocol, group_size=self.group_size
+            module,
+            device_mesh,
+            protocol=self.protocol,
+            group_size=self.group_size,
+            kernel=self.kernel,
         )
