@@ -314,10 +314,10 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
         return model
 
     models = {
-        "gated_ours": build(MC2GatedMLPParallel(sequence_dim=seq, backend="torch")),
+        "gated_ours": build(MC2GatedMLPParallel(sequence_dim=seq, impl="torch")),
         **{
             f"gated_ours_chunks{c}": build(
-                MC2GatedMLPParallel(sequence_dim=seq, backend="torch", chunks=c)
+                MC2GatedMLPParallel(sequence_dim=seq, impl="torch", chunks=c)
             )
             for c in link_chunks
         },
@@ -325,9 +325,9 @@ def _gated_body(cfg: dict[str, Any], mesh: Any, device: torch.device) -> list[di
         "gated_torch_shared_gather": torch_sp(shared_gather=True),
         "gated_mc2_separate": build(
             {
-                "gate_proj": MC2ColwiseParallel(seq, backend="torch"),
-                "up_proj": MC2ColwiseParallel(seq, backend="torch"),
-                "down_proj": MC2RowwiseParallel(seq, backend="torch"),
+                "gate_proj": MC2ColwiseParallel(seq, impl="torch"),
+                "up_proj": MC2ColwiseParallel(seq, impl="torch"),
+                "down_proj": MC2RowwiseParallel(seq, impl="torch"),
             }
         ),
     }
@@ -397,20 +397,20 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         "ours_default": build(
             {
-                "up": MC2ColwiseParallel(seq, backend="torch"),
-                "down": MC2RowwiseParallel(seq, backend="torch"),
+                "up": MC2ColwiseParallel(seq, impl="torch"),
+                "down": MC2RowwiseParallel(seq, impl="torch"),
             }
         ),
         "ours_chunks4": build(
             {
-                "up": MC2ColwiseParallel(seq, backend="torch", chunks=4),
-                "down": MC2RowwiseParallel(seq, backend="torch", chunks=4),
+                "up": MC2ColwiseParallel(seq, impl="torch", chunks=4),
+                "down": MC2RowwiseParallel(seq, impl="torch", chunks=4),
             }
         ),
         "ours_chunks1": build(
             {
-                "up": MC2ColwiseParallel(seq, backend="torch", chunks=1),
-                "down": MC2RowwiseParallel(seq, backend="torch", chunks=1),
+                "up": MC2ColwiseParallel(seq, impl="torch", chunks=1),
+                "down": MC2RowwiseParallel(seq, impl="torch", chunks=1),
             }
         ),
     }
@@ -470,8 +470,8 @@ def _mlp_case(base: nn.Module, mesh: Any, chunks: int, step: Any) -> Any:
         copy.deepcopy(base),
         mesh,
         {
-            "up": MC2ColwiseParallel(1, backend="torch", chunks=chunks),
-            "down": MC2RowwiseParallel(1, backend="torch", chunks=chunks),
+            "up": MC2ColwiseParallel(1, impl="torch", chunks=chunks),
+            "down": MC2RowwiseParallel(1, impl="torch", chunks=chunks),
         },
     )
     return lambda: step(model)

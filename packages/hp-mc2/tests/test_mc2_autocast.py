@@ -91,11 +91,11 @@ def _compare(kind: str, amp: torch.dtype, backend: str, bwd_inside: bool) -> dic
     d, ffn = (256, 256 * tp) if backend == "npu" else (16, 8 * tp)  # npu: the kernels' k >= 256
     if kind == "linears":
         serial = _linears(d, ffn)
-        plan = {"0": MC2ColwiseParallel(backend=backend), "1": MC2RowwiseParallel(backend=backend)}
+        plan = {"0": MC2ColwiseParallel(impl=backend), "1": MC2RowwiseParallel(impl=backend)}
         par = parallelize_module(copy.deepcopy(serial), mesh, plan)
     else:
         serial = _mlp(kind, d, ffn)
-        par = parallelize_module(copy.deepcopy(serial), mesh, MC2GatedMLPParallel(backend=backend))
+        par = parallelize_module(copy.deepcopy(serial), mesh, MC2GatedMLPParallel(impl=backend))
     X, dY = _seeded(1, B, S_BLK * tp, d) / 4, _seeded(2, B, S_BLK * tp, d)
     rows = slice(t * S_BLK, (t + 1) * S_BLK)
     double = GlooMC2Double()

@@ -186,15 +186,15 @@ CASES: dict[str, tuple[Callable | None, Callable, str, str]] = {
     ),
     "unknown_backend": (
         None,
-        lambda _: all_gather_matmul(torch.ones(4, 8), torch.ones(6, 8), backend="cuda"),
+        lambda _: all_gather_matmul(torch.ones(4, 8), torch.ones(6, 8), impl="cuda"),
         "ValueError",
-        "backend must be one of",
+        "impl must be one of",
     ),
     "forced_npu_on_cpu": (
         None,
-        lambda _: all_gather_matmul(torch.ones(4, 8), torch.ones(6, 8), backend="npu"),
+        lambda _: all_gather_matmul(torch.ones(4, 8), torch.ones(6, 8), impl="npu"),
         "ValueError",
-        "backend='npu' cannot run all_gather_matmul: tensors are on cpu, not npu",
+        "impl='npu' cannot run all_gather_matmul: tensors are on cpu, not npu",
     ),
     "zero_chunks": (
         None,
@@ -336,9 +336,9 @@ CASES: dict[str, tuple[Callable | None, Callable, str, str]] = {
     ),
     "gated_bad_backend": (
         None,
-        lambda _: MC2GatedMLPParallel(backend="cuda"),
+        lambda _: MC2GatedMLPParallel(impl="cuda"),
         "ValueError",
-        "backend must be one of",
+        "impl must be one of",
     ),
 }
 

@@ -74,7 +74,7 @@ def _cases() -> dict[str, Any]:
         g = _Gated()
         res["gated_style"] = _caught(
             lambda: parallelize_module(
-                g, mesh, MC2GatedMLPParallel(backend="torch" if rank else "auto")
+                g, mesh, MC2GatedMLPParallel(impl="torch" if rank else "auto")
             )
         )
         # the parallelized modules' forwards: a different sequence length on rank 1

@@ -40,7 +40,7 @@ def _column_errors(with_bias: bool, m: int, k: int, n_local: int) -> dict[str, d
         w = W[cols].clone().requires_grad_()
         b = B[cols].clone().requires_grad_() if with_bias else None
         fn = all_gather_matmul_reference if impl == "reference" else all_gather_matmul
-        y = fn(x, w, None, bias=b, backend="torch", chunks=chunks)
+        y = fn(x, w, None, bias=b, impl="torch", chunks=chunks)
         y.backward(dY[:, cols])
         errors[f"{impl}/chunks={chunks}"] = {
             "y": max_err(y, Y[:, cols]),
@@ -63,7 +63,7 @@ def _row_errors(with_bias: bool, m_out: int, k_local: int, n: int) -> dict[str, 
         w = W[:, cols].clone().requires_grad_()
         b = B.clone().requires_grad_() if with_bias else None
         fn = matmul_reduce_scatter_reference if impl == "reference" else matmul_reduce_scatter
-        y = fn(x, w, None, bias=b, backend="torch", chunks=chunks)
+        y = fn(x, w, None, bias=b, impl="torch", chunks=chunks)
         y.backward(dY[rows])
         errors[f"{impl}/chunks={chunks}"] = {
             "y": max_err(y, Y[rows]),
@@ -112,7 +112,7 @@ def _grads_only_where_needed() -> list[bool]:
     for x_grad in (True, False):
         x = X[rows].clone().requires_grad_(x_grad)
         w = W[cols].clone().requires_grad_(not x_grad)
-        all_gather_matmul(x, w, None, backend="torch", chunks=2).backward(dY[:, cols])
+        all_gather_matmul(x, w, None, impl="torch", chunks=2).backward(dY[:, cols])
         ok.append(max_err(x.grad, dX[rows]) < TOL if x_grad else max_err(w.grad, dW[cols]) < TOL)
         ok.append((w.grad is None) if x_grad else (x.grad is None))
     return ok
@@ -126,7 +126,7 @@ def _empty_chunks_are_fine() -> float:
     # m=1 row per rank with chunks=4: the chunk count clamps to the rows available.
     r, ws = rank_and_size()
     X, W = seeded(1, ws, 8), seeded(2, ws * 3, 8)
-    y = all_gather_matmul(X[r : r + 1], W[r * 3 : (r + 1) * 3], None, backend="torch", chunks=4)
+    y = all_gather_matmul(X[r : r + 1], W[r * 3 : (r + 1) * 3], None, impl="torch", chunks=4)
     return max_err(y, (X.double() @ W.double().t())[:, r * 3 : (r + 1) * 3])
 
 

@@ -198,7 +198,7 @@ def _npu_double(mesh: Any, dtype: torch.dtype) -> dict[str, Any]:
                 gate_bias=bg,
                 up_bias=bu,
                 down_bias=bd,
-                backend=backend,
+                impl=backend,
             )
             y.backward(dy.to(dtype))
         out[backend] = [y.detach(), *(leaf.grad for leaf in leaves)]

@@ -39,7 +39,7 @@ def _run(fn: Any, chunks: int, need: set[str]) -> list[torch.Tensor | None]:
     x, wg, wu, wd, bg, bu, bd = leaves
     y = fn(
         x, wg, wu, wd, act_fn=torch.nn.functional.silu, gate_bias=bg, up_bias=bu, down_bias=bd,
-        backend="torch", chunks=chunks,
+        impl="torch", chunks=chunks,
     )  # fmt: skip
     y.backward(seeded(20 + r, M, D, dtype=torch.float64))
     return [y.detach(), *(leaf.grad for leaf in leaves)]

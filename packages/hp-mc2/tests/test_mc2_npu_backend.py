@@ -41,7 +41,7 @@ def _run(op: str, backend: str, X, W, B, dY, dtype):
     x, w, b, dy = _shard(op, X, W, B, dY)
     x, w, b = (t.to(dtype).clone().requires_grad_() for t in (x, w, b))
     fn = all_gather_matmul if op == "column" else matmul_reduce_scatter
-    y = fn(x, w, None, bias=b, backend=backend, chunks=2)
+    y = fn(x, w, None, bias=b, impl=backend, chunks=2)
     y.backward(dy.to(dtype))
     return y, x.grad, w.grad, b.grad
 
@@ -155,7 +155,7 @@ def _violation(case: str) -> dict:
         forced_err = None
         try:
             (all_gather_matmul if op == "all_gather_matmul" else matmul_reduce_scatter)(
-                x, w, None, backend="npu"
+                x, w, None, impl="npu"
             )
         except (ValueError, TypeError) as exc:
             forced_err = f"{type(exc).__name__}: {exc}"
@@ -211,7 +211,7 @@ def _without_provider() -> tuple:
     x, w = torch.ones(4, K, dtype=torch.bfloat16), torch.ones(K, K, dtype=torch.bfloat16)
     choice = select_backend("all_gather_matmul", x, w, None)
     try:
-        all_gather_matmul(x, w, None, backend="npu")
+        all_gather_matmul(x, w, None, impl="npu")
         forced = None
     except ValueError as exc:
         forced = str(exc)
@@ -221,7 +221,7 @@ def _without_provider() -> tuple:
 def test_auto_on_cpu_without_npu_falls_back_and_never_imports_torch_npu():
     for choice, forced, imported, ok in run_distributed(_without_provider, 2, timeout=TIMEOUT):
         assert choice == ("torch", "tensors are on cpu, not npu")
-        assert forced is not None and "backend='npu' cannot run all_gather_matmul" in forced
+        assert forced is not None and "impl='npu' cannot run all_gather_matmul" in forced
         assert "tensors are on cpu, not npu" in forced
         assert not imported and ok
 

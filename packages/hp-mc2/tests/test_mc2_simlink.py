@@ -52,13 +52,13 @@ def _functional(chunks: int, gated: bool) -> list[torch.Tensor]:
     bias = seeded(20 + r, F, dtype=torch.float64).requires_grad_()
     if gated:
         y = gated_mlp(
-            x, *ws_, act_fn=torch.nn.functional.silu, gate_bias=bias, backend="torch",
+            x, *ws_, act_fn=torch.nn.functional.silu, gate_bias=bias, impl="torch",
             chunks=chunks,
         )  # fmt: skip
         return _grads(y, [x, *ws_, bias])
-    h = all_gather_matmul(x, ws_[0], bias=bias, backend="torch", chunks=chunks)
+    h = all_gather_matmul(x, ws_[0], bias=bias, impl="torch", chunks=chunks)
     h = torch.nn.functional.gelu(h)
-    y = matmul_reduce_scatter(h, ws_[2], backend="torch", chunks=chunks)
+    y = matmul_reduce_scatter(h, ws_[2], impl="torch", chunks=chunks)
     return _grads(y, [x, ws_[0], ws_[2], bias])
 
 

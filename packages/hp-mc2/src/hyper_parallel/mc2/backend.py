@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.npu_ops import NpuOps, current_npu_ops
 
 __all__ = ["BACKENDS", "OPS", "default_chunks", "npu_constraint_failure", "select_backend"]
@@ -48,7 +49,7 @@ def validate_operands(
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"impl must be one of {BACKENDS}, got {backend!r}")
     if chunks is not None and (
         not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1
     ):
@@ -134,28 +135,31 @@ def npu_constraint_failure(
     return None
 
 
+@impl_keyword("select_backend")
 def select_backend(
     op: Op,
     x: torch.Tensor,
     weight: torch.Tensor,
     group: Any = None,
     *,
-    backend: str = "auto",
+    impl: str = "auto",
 ) -> tuple[str, str]:
-    """Return ``(choice, reason)``: the backend (``"npu"`` or ``"torch"``) that ``op`` runs
-    with for these operands, and why. ``backend="npu"`` raises ``ValueError`` naming the failed
-    kernel constraint instead of falling back."""
+    """Return ``(choice, reason)``: the implementation (``"npu"`` or ``"torch"``) that ``op``
+    runs with for these operands, and why. ``impl="npu"`` raises ``ValueError`` naming the
+    failed kernel constraint instead of falling back (``backend=``: deprecated name of
+    ``impl=``)."""
+    backend = impl
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"impl must be one of {BACKENDS}, got {backend!r}")
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if backend == "torch":
-        return "torch", "backend='torch' requested"
+        return "torch", "impl='torch' requested"
     failure = npu_constraint_failure(op, x, weight, _world_size(group))
     if backend == "npu":
         if failure:
-            raise ValueError(f"backend='npu' cannot run {op}: {failure}")
-        return "npu", "backend='npu' requested and every kernel constraint holds"
+            raise ValueError(f"impl='npu' cannot run {op}: {failure}")
+        return "npu", "impl='npu' requested and every kernel constraint holds"
     if failure:
         return "torch", failure
     return "npu", "tensors are on npu, the kernels are available and every constraint holds"

@@ -31,6 +31,7 @@ from hyper_parallel.mc2._chunked import (
     matmuls_reduce_scatter_grads,
     splits,
 )
+from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.backend import default_chunks, select_backend, validate_operands
 from hyper_parallel.mc2.npu_ops import current_npu_ops
 
@@ -177,7 +178,7 @@ def _prepare(
     and the chunk count."""
     ws = dist.get_world_size(group)
     validate_operands(op, x, weight, bias, ws, backend, chunks)
-    choice, _ = select_backend(op, x, weight, group, backend=backend)
+    choice, _ = select_backend(op, x, weight, group, impl=backend)
     if chunks is None:
         rows = x.shape[0] if op == "all_gather_matmul" else x.shape[0] // ws
         chunks = default_chunks(rows, x.shape[1], weight.shape[0], ws, x.device.type)
@@ -205,7 +206,7 @@ def dual_fields(
     except Exception as exc:  # rejected by the body, after the comparison
         choice = f"<{type(exc).__name__}>"
     return {
-        "x": x, "weight": weight, "bias": bias, "backend": choice, "chunks": chunks,
+        "x": x, "weight": weight, "bias": bias, "impl": choice, "chunks": chunks,
         "world_size": ws,
     }  # fmt: skip
 
@@ -245,14 +246,15 @@ def _fields_of(op: str) -> Any:
         group: Any = None,
         *,
         bias: Any = None,
-        backend: str = "auto",
+        impl: str = "auto",
         chunks: int | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        return group, dual_fields(op, x, weight, group, bias, backend, chunks)
+        return group, dual_fields(op, x, weight, group, bias, impl, chunks)
 
     return fields
 
 
+@impl_keyword("all_gather_matmul")
 @checked_entry("all_gather_matmul", _fields_of("all_gather_matmul"))
 def all_gather_matmul(
     x: torch.Tensor,
@@ -260,7 +262,7 @@ def all_gather_matmul(
     group: Any = None,
     *,
     bias: torch.Tensor | None = None,
-    backend: str = "auto",
+    impl: str = "auto",
     chunks: int | None = None,
 ) -> torch.Tensor:
     """Column-parallel linear on a row-sharded input: ``Y = AllGather_m(x) @ Wᵀ + b``.
@@ -271,7 +273,8 @@ def all_gather_matmul(
         weight: ``[n_local, k]``, this rank's output-feature shard (``nn.Linear`` layout).
         group: the tensor-parallel process group (``None``: the default group).
         bias: ``[n_local]``, this rank's bias shard, or ``None``.
-        backend: ``"auto"``, ``"torch"`` or ``"npu"`` (see :func:`select_backend`).
+        impl: the matmul+collective implementation, ``"auto"``, ``"torch"`` or ``"npu"``
+            (see :func:`select_backend`; ``backend=`` is its deprecated name).
         chunks: ``torch`` backend only: number of pieces ``m`` is split into so the gather of
             one overlaps the matmul of another (``None``: chosen from the shapes; 1: no overlap).
 
@@ -282,12 +285,13 @@ def all_gather_matmul(
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
     collective every rank of ``group`` compares ``x``, ``weight``, ``bias`` (shape, dtype,
-    device type), the chosen ``backend``, ``chunks`` and the group size, and all raise
+    device type), the chosen ``impl``, ``chunks`` and the group size, and all raise
     ``InconsistentRanksError`` naming the differing field and ranks.
     """
-    return _column(x, weight, group, bias, backend, chunks)
+    return _column(x, weight, group, bias, impl, chunks)
 
 
+@impl_keyword("matmul_reduce_scatter")
 @checked_entry("matmul_reduce_scatter", _fields_of("matmul_reduce_scatter"))
 def matmul_reduce_scatter(
     x: torch.Tensor,
@@ -295,7 +299,7 @@ def matmul_reduce_scatter(
     group: Any = None,
     *,
     bias: torch.Tensor | None = None,
-    backend: str = "auto",
+    impl: str = "auto",
     chunks: int | None = None,
 ) -> torch.Tensor:
     """Row-parallel linear with a row-scattered output: ``Y = ReduceScatter_m(x @ Wᵀ) + b``.
@@ -306,7 +310,7 @@ def matmul_reduce_scatter(
         weight: ``[n, k_local]``, this rank's input-feature shard (``nn.Linear`` layout).
         group: the tensor-parallel process group (``None``: the default group).
         bias: ``[n]``, the full bias, replicated on every rank, or ``None``.
-        backend: ``"auto"``, ``"torch"`` or ``"npu"``.
+        impl: ``"auto"``, ``"torch"`` or ``"npu"`` (``backend=``: deprecated name).
         chunks: ``torch`` backend only: number of pieces each rank's ``m/ws`` output rows are
             split into (``None``: chosen from the shapes).
 
@@ -317,4 +321,4 @@ def matmul_reduce_scatter(
 
     Consistency mode: the same fields as :func:`all_gather_matmul` are compared.
     """
-    return _row(x, weight, group, bias, backend, chunks)
+    return _row(x, weight, group, bias, impl, chunks)

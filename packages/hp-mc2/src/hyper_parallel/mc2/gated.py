@@ -31,6 +31,7 @@ from hyper_parallel.dtensor.amp import autocast_off, cast_for_autocast, without_
 from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.mc2._chunked import Splits, _Gather, splits
 from hyper_parallel.mc2._collectives import all_gather_async, reduce_scatter_async
+from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.activation import check_elementwise_activation
 from hyper_parallel.mc2.backend import (
     BACKENDS,
@@ -308,7 +309,7 @@ def validate_gated_operands(
     """Local checks, the same on every rank for same-shaped operands; run before any collective."""
     where = "gated_mlp"
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"impl must be one of {BACKENDS}, got {backend!r}")
     validate_operands("all_gather_matmul", x, wg, bg, world_size, "auto", chunks)
     validate_operands("all_gather_matmul", x, wu, bu, world_size, "auto", chunks)
     if tuple(wu.shape) != tuple(wg.shape):
@@ -352,7 +353,7 @@ def select_gated_backend(
     """``(choice, reason)`` for the gated block: ``npu`` needs both fused kernels' constraints
     to hold for the gate+up projection (weights concatenated, ``[2F/ws, D]``) and for down."""
     if backend == "torch":
-        return "torch", "backend='torch' requested"
+        return "torch", "impl='torch' requested"
     ws = dist.get_world_size(group)
     gu = torch.empty((2 * wg.shape[0], wg.shape[1]), dtype=wg.dtype, device="meta")
     failure = npu_constraint_failure("all_gather_matmul", x, gu, ws)
@@ -361,8 +362,8 @@ def select_gated_backend(
         failure = npu_constraint_failure("matmul_reduce_scatter", h, wd, ws)
     if backend == "npu":
         if failure:
-            raise ValueError(f"backend='npu' cannot run gated_mlp: {failure}")
-        return "npu", "backend='npu' requested and every kernel constraint holds"
+            raise ValueError(f"impl='npu' cannot run gated_mlp: {failure}")
+        return "npu", "impl='npu' requested and every kernel constraint holds"
     if failure:
         return "torch", failure
     return "npu", "tensors are on npu, the kernels are available and every constraint holds"
@@ -399,7 +400,7 @@ def gated_fields(
         choice = f"<{type(exc).__name__}>"
     return {
         "x": x, "gate_weight": wg, "up_weight": wu, "down_weight": wd, "biases": (bg, bu, bd),
-        "backend": choice, "chunks": chunks, "world_size": ws,
+        "impl": choice, "chunks": chunks, "world_size": ws,
     }  # fmt: skip
 
 
@@ -414,13 +415,14 @@ def _gated_mlp_fields(
     gate_bias: Any = None,
     up_bias: Any = None,
     down_bias: Any = None,
-    backend: str = "auto",
+    impl: str = "auto",
     chunks: int | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     weights, biases = (gate_weight, up_weight, down_weight), (gate_bias, up_bias, down_bias)
-    return group, gated_fields(x, weights, biases, group, act_fn, backend, chunks)
+    return group, gated_fields(x, weights, biases, group, act_fn, impl, chunks)
 
 
+@impl_keyword("gated_mlp")
 @checked_entry("gated_mlp", _gated_mlp_fields)
 def gated_mlp(
     x: torch.Tensor,
@@ -433,7 +435,7 @@ def gated_mlp(
     gate_bias: torch.Tensor | None = None,
     up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
-    backend: str = "auto",
+    impl: str = "auto",
     chunks: int | None = None,
 ) -> torch.Tensor:
     """Sequence + tensor parallel gated MLP ``Y = ReduceScatter_m((act(X W_gᵀ + b_g) ⊙
@@ -447,8 +449,9 @@ def gated_mlp(
         group: the tensor-parallel process group (``None``: the default group).
         act_fn: a per-element activation (see :mod:`hyper_parallel.mc2.activation`).
         gate_bias, up_bias: ``[F/ws]`` shards or ``None``; down_bias: ``[D]``, replicated.
-        backend: ``"auto"``, ``"torch"`` or ``"npu"`` (the matmul+collective implementation;
-            ``npu`` runs the torch_npu MC2 kernels: gate and up as one fused gather-matmul).
+        impl: ``"auto"``, ``"torch"`` or ``"npu"`` (the matmul+collective implementation;
+            ``npu`` runs the torch_npu MC2 kernels: gate and up as one fused gather-matmul;
+            ``backend=`` is its deprecated name).
         chunks: ``torch`` backend only: pieces ``m`` is split into for overlap (``None``: from
             the shapes and device type alone, identical on every rank).
 
@@ -458,7 +461,7 @@ def gated_mlp(
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
     collective every rank of ``group`` compares ``x``, the three weights and the biases (shape,
-    dtype, device type), the chosen ``backend``, ``chunks`` and the group size, and all raise
+    dtype, device type), the chosen ``impl``, ``chunks`` and the group size, and all raise
     ``InconsistentRanksError`` naming the differing field and ranks.
     """
     return run_gated_mlp(
@@ -467,7 +470,7 @@ def gated_mlp(
         (gate_bias, up_bias, down_bias),
         group,
         act_fn,
-        backend,
+        impl,
         chunks,
     )
 

@@ -24,6 +24,7 @@ from hyper_parallel.dtensor import check_rank_order
 from hyper_parallel.dtensor.amp import cast_for_autocast
 from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized, parallel_state
+from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.activation import check_elementwise_activation
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
 from hyper_parallel.mc2.gated import gated_fields, run_gated_mlp
@@ -44,7 +45,7 @@ class _GatedPlan:
     up: str
     down: str
     sequence_dim: int
-    backend: str
+    impl: str
     chunks: int | None
     group: Any
     module_class: str = ""  # the module's own class name, for messages
@@ -80,7 +81,7 @@ def _forward_fields(self: nn.Module, x: Any) -> tuple[Any, dict[str, Any]]:
     except Exception:  # rejected by the body, after the comparison
         pass
     act = getattr(self, "act_fn", None)
-    fields.update(gated_fields(rows, weights, biases, plan.group, act, plan.backend, plan.chunks))
+    fields.update(gated_fields(rows, weights, biases, plan.group, act, plan.impl, plan.chunks))
     return plan.group, fields
 
 
@@ -101,7 +102,7 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         (bg, bu, bd),
         plan.group,
         cast(Any, self.act_fn),
-        plan.backend,
+        plan.impl,
         plan.chunks,
     )
     return y2.view(*lead, y2.shape[-1]).movedim(0, seq)
@@ -145,7 +146,8 @@ class MC2GatedMLPParallel(ParallelStyle):
     ``sequence_dim=1`` (any layout with the sequence at ``sequence_dim`` and features last).
     Rank ``t`` of the tp mesh holds block ``t`` of the sequence. ``gate``, ``up``, ``down``
     name the module's ``nn.Linear`` children; the activation is the module's own
-    ``act_fn`` (per-element only). ``backend``: ``"auto"``, ``"torch"`` (chunked collectives
+    ``act_fn`` (per-element only). ``impl`` (``backend=``: its deprecated name): the
+    matmul+collective implementation, ``"auto"``, ``"torch"`` (chunked collectives
     overlapped with the matmuls) or ``"npu"`` (torch_npu MC2 kernels); ``chunks`` as in
     :func:`~hyper_parallel.mc2.gated_mlp`.
 
@@ -154,12 +156,13 @@ class MC2GatedMLPParallel(ParallelStyle):
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): applying the
     style compares, over the tp group and before the weights are distributed, the style's
-    options (``gate``/``up``/``down``, ``sequence_dim``, ``backend``, ``chunks``), the module's
+    options (``gate``/``up``/``down``, ``sequence_dim``, ``impl``, ``chunks``), the module's
     class and its weights' shapes and dtypes; each forward compares the input block (shape,
-    dtype), ``sequence_dim``, the weight shards, the chosen backend, the chunk count and the
+    dtype), ``sequence_dim``, the weight shards, the chosen ``impl``, the chunk count and the
     tp size (:func:`~hyper_parallel.mc2.gated_mlp`'s fields), in one collective.
     """
 
+    @impl_keyword(_NAME)
     def __init__(
         self,
         *,
@@ -167,7 +170,7 @@ class MC2GatedMLPParallel(ParallelStyle):
         up: str = "up_proj",
         down: str = "down_proj",
         sequence_dim: int = 1,
-        backend: str = "auto",
+        impl: str = "auto",
         chunks: int | None = None,
     ) -> None:
         super().__init__()
@@ -175,19 +178,19 @@ class MC2GatedMLPParallel(ParallelStyle):
             if not isinstance(name, str) or not name:
                 raise TypeError(f"{_NAME}: {what} must be a submodule name, got {name!r}")
         check_sequence_dim(sequence_dim)
-        if backend not in BACKENDS:
-            raise ValueError(f"{_NAME}: backend must be one of {BACKENDS}, got {backend!r}")
+        if impl not in BACKENDS:
+            raise ValueError(f"{_NAME}: impl must be one of {BACKENDS}, got {impl!r}")
         if chunks is not None and (
             not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1
         ):
             raise ValueError(f"{_NAME}: chunks must be a positive int or None, got {chunks!r}")
         self.gate, self.up, self.down = gate, up, down
-        self.sequence_dim, self.backend, self.chunks = sequence_dim, backend, chunks
+        self.sequence_dim, self.impl, self.chunks = sequence_dim, impl, chunks
 
     def __repr__(self) -> str:
         return (
             f"{_NAME}(gate={self.gate!r}, up={self.up!r}, down={self.down!r}, "
-            f"sequence_dim={self.sequence_dim}, backend={self.backend!r}, chunks={self.chunks})"
+            f"sequence_dim={self.sequence_dim}, impl={self.impl!r}, chunks={self.chunks})"
         )
 
     def _linears(self, module: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
@@ -297,7 +300,7 @@ class MC2GatedMLPParallel(ParallelStyle):
             lin.register_parameter(pname, nn.Parameter(dp, requires_grad=p.requires_grad))
         group = device_mesh.get_group()
         plan = _GatedPlan(
-            self.gate, self.up, self.down, self.sequence_dim, self.backend, self.chunks, group,
+            self.gate, self.up, self.down, self.sequence_dim, self.impl, self.chunks, group,
             type(module).__name__,
         )  # fmt: skip
         install_forward(module, LAYER, plan, _make_forward, prefix="MC2Gated")

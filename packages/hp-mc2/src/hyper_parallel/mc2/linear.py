@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -21,6 +22,7 @@ from hyper_parallel.dtensor.rewrite import (
     parallel_state,
     uninstall_forward,
 )
+from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.backend import BACKENDS, dtype_name
 from hyper_parallel.mc2.functional import _column, _row, dual_fields
 
@@ -30,26 +32,50 @@ Mode = Literal["column", "row"]
 LAYER = "MC2Linear"  # the name MC2Linear's rewrite is installed under (hp-dtensor's rewrite)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class MC2Parallel:
     """How an :class:`MC2Linear` runs: ``column`` (sequence-sharded in, feature-sharded out,
     :func:`all_gather_matmul`) or ``row`` (feature-sharded in, sequence-sharded out,
-    :func:`matmul_reduce_scatter`) over ``group``, the sequence at ``sequence_dim``."""
+    :func:`matmul_reduce_scatter`) over ``group``, the sequence at ``sequence_dim``, with the
+    matmul+collective implementation ``impl`` (``backend=``: its deprecated name)."""
 
     mode: Mode
     group: Any
     sequence_dim: int = 1
-    backend: str = "auto"
+    impl: str = "auto"
     chunks: int | None = None
     #: when set, outputs are wrapped as DTensors on this 1-D mesh (``use_local_output=False``)
     output_mesh: Any = None
 
-    def __post_init__(self) -> None:
+    @impl_keyword("MC2Parallel")
+    def __init__(
+        self,
+        mode: Mode,
+        group: Any,
+        sequence_dim: int = 1,
+        impl: str = "auto",
+        chunks: int | None = None,
+        output_mesh: Any = None,
+    ) -> None:
+        names = ("mode", "group", "sequence_dim", "impl", "chunks", "output_mesh")
+        for name, value in zip(names, (mode, group, sequence_dim, impl, chunks, output_mesh)):
+            object.__setattr__(self, name, value)
+        self._validate()
+
+    @property
+    def backend(self) -> str:
+        """Deprecated name of :attr:`impl`."""
+        warnings.warn(
+            "MC2Parallel.backend is deprecated, use .impl", DeprecationWarning, stacklevel=2
+        )
+        return self.impl
+
+    def _validate(self) -> None:
         if self.mode not in ("column", "row"):
             raise ValueError(f"mode must be 'column' or 'row', got {self.mode!r}")
         check_sequence_dim(self.sequence_dim)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.impl not in BACKENDS:
+            raise ValueError(f"impl must be one of {BACKENDS}, got {self.impl!r}")
         if self.chunks is not None and (
             not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1
         ):
@@ -95,7 +121,7 @@ class MC2Linear(nn.Linear, metaclass=_MC2LinearType):
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
     collective the ranks of the group compare the input (this rank's block: shape, dtype,
-    device type), ``mode``, ``sequence_dim``, the weight and bias shards, the chosen backend,
+    device type), ``mode``, ``sequence_dim``, the weight and bias shards, the chosen ``impl``,
     the chunk count and the group size (one collective; a DTensor input that must be
     redistributed first is compared, with its placements, before the redistribution).
     """
@@ -158,7 +184,7 @@ def _extra_repr(module: nn.Linear) -> str:
     if cfg is None:
         return base
     return (
-        f"{base}, mode={cfg.mode}, sequence_dim={cfg.sequence_dim}, backend={cfg.backend}, "
+        f"{base}, mode={cfg.mode}, sequence_dim={cfg.sequence_dim}, impl={cfg.impl}, "
         f"chunks={cfg.chunks}"
     )
 
@@ -219,7 +245,7 @@ def _fields(self: nn.Linear, input: Any) -> tuple[Any, dict[str, Any]]:
         pass
     op = "all_gather_matmul" if cfg.mode == "column" else "matmul_reduce_scatter"
     weight, bias = _local(self.weight), _local(self.bias)
-    fields.update(dual_fields(op, x, weight, cfg.group, bias, cfg.backend, cfg.chunks))
+    fields.update(dual_fields(op, x, weight, cfg.group, bias, cfg.impl, cfg.chunks))
     return cfg.group, fields
 
 
@@ -243,10 +269,10 @@ def _parallel_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     lead = xs.shape[:-1]
     x2 = xs.reshape(-1, xs.shape[-1])
     if cfg.mode == "column":
-        y2 = _column(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks)
+        y2 = _column(x2, weight, cfg.group, bias, cfg.impl, cfg.chunks)
         out_lead = (lead[0] * ws, *lead[1:])
     else:
-        y2 = _row(x2, weight, cfg.group, bias, cfg.backend, cfg.chunks)
+        y2 = _row(x2, weight, cfg.group, bias, cfg.impl, cfg.chunks)
         out_lead = (lead[0] // ws, *lead[1:])
     y = y2.view(*out_lead, y2.shape[-1]).movedim(0, seq)
     if cfg.output_mesh is not None:

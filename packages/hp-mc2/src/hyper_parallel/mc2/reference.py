@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from hyper_parallel.dtensor import comm
 from hyper_parallel.mc2._collectives import OWNER, _group, all_gather_async, reduce_scatter_async
+from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.backend import validate_operands
 from hyper_parallel.mc2.gated import validate_gated_operands
 
@@ -75,38 +76,41 @@ class _SumGradOverRanks(torch.autograd.Function):
         return g, None
 
 
+@impl_keyword("all_gather_matmul_reference")
 def all_gather_matmul_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
     group: Any = None,
     *,
     bias: torch.Tensor | None = None,
-    backend: str = "auto",
+    impl: str = "auto",
     chunks: int | None = None,
 ) -> torch.Tensor:
-    """``F.linear(AllGather_m(x), W, b)``; ``backend`` and ``chunks`` are accepted and ignored."""
+    """``F.linear(AllGather_m(x), W, b)``; ``impl`` and ``chunks`` are accepted and ignored."""
     validate_operands(
         "all_gather_matmul", x, weight, bias, dist.get_world_size(group), "auto", None
     )
     return F.linear(_AllGatherRows.apply(x, group), weight, bias)
 
 
+@impl_keyword("matmul_reduce_scatter_reference")
 def matmul_reduce_scatter_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
     group: Any = None,
     *,
     bias: torch.Tensor | None = None,
-    backend: str = "auto",
+    impl: str = "auto",
     chunks: int | None = None,
 ) -> torch.Tensor:
-    """``ReduceScatter_m(x @ Wᵀ) + b``; ``backend`` and ``chunks`` are accepted and ignored."""
+    """``ReduceScatter_m(x @ Wᵀ) + b``; ``impl`` and ``chunks`` are accepted and ignored."""
     ws = dist.get_world_size(group)
     validate_operands("matmul_reduce_scatter", x, weight, bias, ws, "auto", None)
     y = _ReduceScatterRows.apply(F.linear(x, weight), group)
     return y if bias is None else y + _SumGradOverRanks.apply(bias, group)
 
 
+@impl_keyword("gated_mlp_reference")
 def gated_mlp_reference(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -118,12 +122,12 @@ def gated_mlp_reference(
     gate_bias: torch.Tensor | None = None,
     up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
-    backend: str = "auto",
+    impl: str = "auto",
     chunks: int | None = None,
 ) -> torch.Tensor:
     """``ReduceScatter_m((act(X W_gᵀ + b_g) ⊙ (X W_uᵀ + b_u)) W_dᵀ) + b_d``, ``X =
     AllGather_m(x)``, in plain autograd (it saves ``X`` and every intermediate);
-    ``backend`` and ``chunks`` are accepted and ignored."""
+    ``impl`` and ``chunks`` are accepted and ignored."""
     ws = dist.get_world_size(group)
     validate_gated_operands(
         x,

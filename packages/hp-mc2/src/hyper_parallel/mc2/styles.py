@@ -14,6 +14,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from hyper_parallel.dtensor import check_rank_order
 from hyper_parallel.dtensor.consistency import checked_entry
+from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel, Mode, check_sequence_dim
 
 __all__ = ["MC2ColwiseParallel", "MC2RowwiseParallel"]
@@ -26,25 +27,26 @@ def _style_fields(self: _MC2Style, module: nn.Module, mesh: Any) -> Any:
 class _MC2Style(ParallelStyle):
     """Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): applying the
     style compares, over the tp group and before the weights are distributed, the style's
-    options (``sequence_dim``, ``backend``, ``chunks``, ``use_local_output``), the module's class
+    options (``sequence_dim``, ``impl``, ``chunks``, ``use_local_output``), the module's class
     and its weight and bias (shape, dtype); each forward is checked by :class:`MC2Linear`."""
 
     _mode: Mode
 
+    @impl_keyword("MC2ColwiseParallel / MC2RowwiseParallel")
     def __init__(
         self,
         sequence_dim: int = 1,
         *,
-        backend: str = "auto",
+        impl: str = "auto",
         chunks: int | None = None,
         use_local_output: bool = True,
     ) -> None:
         super().__init__()
         check_sequence_dim(sequence_dim)
         # Validate eagerly through the config type so a bad style fails where it is built.
-        MC2Parallel(self._mode, None, sequence_dim, backend, chunks)
+        MC2Parallel(self._mode, None, sequence_dim, impl, chunks)
         self.sequence_dim = sequence_dim
-        self.backend = backend
+        self.impl = impl
         self.chunks = chunks
         self.use_local_output = use_local_output
 
@@ -92,7 +94,7 @@ class _MC2Style(ParallelStyle):
             self._mode,
             device_mesh.get_group(),
             self.sequence_dim,
-            self.backend,
+            self.impl,
             self.chunks,
             output_mesh=None if self.use_local_output else device_mesh,
         )
@@ -100,7 +102,7 @@ class _MC2Style(ParallelStyle):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(sequence_dim={self.sequence_dim}, backend={self.backend!r}, "
+            f"{type(self).__name__}(sequence_dim={self.sequence_dim}, impl={self.impl!r}, "
             f"chunks={self.chunks}, use_local_output={self.use_local_output})"
         )
 
