@@ -121,3 +121,18 @@ def test_select_backend_takes_impl():
     assert old == ("torch", "impl='torch' requested")
     with pytest.raises(TypeError, match="select_backend: got both impl= and backend="):
         select_backend("all_gather_matmul", x, w, impl="torch", backend="torch")
+
+
+def test_reference_module_is_a_deprecated_alias_of_blocking():
+    import importlib
+    import sys
+
+    import hyper_parallel.mc2 as mc2
+    from hyper_parallel.mc2 import blocking
+
+    sys.modules.pop("hyper_parallel.mc2.reference", None)
+    with pytest.warns(DeprecationWarning, match=r"hyper_parallel.mc2.reference is deprecated"):
+        old = importlib.import_module("hyper_parallel.mc2.reference")
+    assert old.__all__ == blocking.__all__
+    for name in blocking.__all__:
+        assert getattr(old, name) is getattr(blocking, name) is getattr(mc2, name), name

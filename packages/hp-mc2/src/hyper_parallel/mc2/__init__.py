@@ -5,17 +5,17 @@ collectives) the matmul, in forward and backward; and the gated MLP block
 
 from hyper_parallel.mc2._version import __version__
 from hyper_parallel.mc2.backend import default_chunks, npu_constraint_failure, select_backend
+from hyper_parallel.mc2.blocking import (
+    all_gather_matmul_reference,
+    gated_mlp_reference,
+    matmul_reduce_scatter_reference,
+)
 from hyper_parallel.mc2.functional import all_gather_matmul, matmul_reduce_scatter
 from hyper_parallel.mc2.gated import gated_mlp
 from hyper_parallel.mc2.gated_style import MC2GatedMLPParallel
 from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel
 from hyper_parallel.mc2.npu_ops import NpuOps, TorchNpuOps, hccl_comm_name, use_npu_ops
 from hyper_parallel.mc2.parallelized import is_mc2_parallel, unparallelize_mc2
-from hyper_parallel.mc2.reference import (
-    all_gather_matmul_reference,
-    gated_mlp_reference,
-    matmul_reduce_scatter_reference,
-)
 from hyper_parallel.mc2.styles import MC2ColwiseParallel, MC2RowwiseParallel
 
 __all__ = [
