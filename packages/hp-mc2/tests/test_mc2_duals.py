@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from _mc2_testutil import column_reference, max_err, rank_and_size, seeded
 
+from hyper_parallel.dtensor.recorder import record_events
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.mc2 import (
     all_gather_matmul,
@@ -103,7 +104,8 @@ def test_matmul_reduce_scatter_matches_float64_reference_for_every_chunk_count(
 
 
 def _grads_only_where_needed() -> list[bool]:
-    """Only x or only weight requiring grad still gives correct partial gradients."""
+    """Only x or only weight requiring grad still gives correct partial gradients; the
+    collectives are tagged forward / backward by the phase they start in."""
     r, ws = rank_and_size()
     X, W, dY = seeded(1, ws * 4, 8), seeded(2, ws * 3, 8), seeded(4, ws * 4, ws * 3)
     _, dX, dW, _ = column_reference(X, W, None, dY)
@@ -112,14 +114,24 @@ def _grads_only_where_needed() -> list[bool]:
     for x_grad in (True, False):
         x = X[rows].clone().requires_grad_(x_grad)
         w = W[cols].clone().requires_grad_(not x_grad)
-        all_gather_matmul(x, w, None, impl="torch", chunks=2).backward(dY[:, cols])
+        with record_events() as rec:
+            y = all_gather_matmul(x, w, None, impl="torch", chunks=2)
+            forward = len(rec.events)
+            y.backward(dY[:, cols])
         ok.append(max_err(x.grad, dX[rows]) < TOL if x_grad else max_err(w.grad, dW[cols]) < TOL)
         ok.append((w.grad is None) if x_grad else (x.grad is None))
+        if x_grad:  # the collectives are tagged with the autograd phase they run in
+            phases = [(e.phase, i < forward) for i, e in enumerate(rec.events)]
+            ok.append(
+                forward > 0
+                and len(phases) > forward
+                and all((p == "forward") == before for p, before in phases)
+            )
     return ok
 
 
 def test_column_backward_computes_only_the_requested_gradients():
-    assert run_distributed(_grads_only_where_needed, 2, timeout=TIMEOUT) == [[True] * 4] * 2
+    assert run_distributed(_grads_only_where_needed, 2, timeout=TIMEOUT) == [[True] * 5] * 2
 
 
 def _empty_chunks_are_fine() -> float:

@@ -29,8 +29,8 @@ def _group(group: Any) -> comm.Group:
 
 
 def _phase() -> str:
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return "backward" if current is not None and current() != -1 else "forward"
+    """``"backward"`` inside an autograd backward pass (torch >= 2.7.1 always has the task id)."""
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
 def all_gather_async(
