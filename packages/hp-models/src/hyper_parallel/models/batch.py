@@ -6,10 +6,12 @@ makes fails on every rank alike, before the model issues any collective.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from hyper_parallel.dtensor import DeviceMesh, check_consistent, comm
+from hyper_parallel.dtensor import DeviceMesh, checked_entry, comm
 from hyper_parallel.models.documents import TABLE_KEYS, packed_documents
 from hyper_parallel.models.mesh import check_mesh, cp_tp, sequence_mesh
 from hyper_parallel.models.plan import OWNER
@@ -153,6 +155,22 @@ def _replica_documents(
         ) from None
 
 
+def _gather_fields(x: Any, mesh: Any, seq_dim: Any = 1) -> tuple[Any, dict[str, Any]] | None:
+    """``gather_sequence``'s consistency signature (``checked_entry``), over the flattened
+    mesh: ``x`` (shape, dtype, device type) and ``seq_dim`` (counted from 0 when in range).
+    Nothing for one rank, or for a call the body refuses (the same on every rank)."""
+    try:
+        sm = sequence_mesh(mesh)
+    except (TypeError, ValueError):  # the body raises it
+        return None
+    if sm.size == 1:
+        return None
+    if isinstance(x, Tensor) and isinstance(seq_dim, int) and -x.dim() <= seq_dim < x.dim():
+        seq_dim %= x.dim()
+    return sm.flat.get_group(), {"x": x, "seq_dim": seq_dim}
+
+
+@checked_entry("gather_sequence", _gather_fields)
 def gather_sequence(x: Tensor, mesh: DeviceMesh, seq_dim: int = 1) -> Tensor:
     """The full sequence from every rank's block, in block order, on every rank.
 
@@ -168,6 +186,5 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, seq_dim: int = 1) -> Tensor:
     x = x.detach()
     if sm.size == 1:
         return x.clone()
-    check_consistent(sm.flat.get_group(), "gather_sequence", x=x, seq_dim=seq_dim)
     g = comm.resolve_group(sm.flat, "gather_sequence")
     return comm.start_all_gather(x, seq_dim, g, "all_gather:sequence", "forward", OWNER).wait()

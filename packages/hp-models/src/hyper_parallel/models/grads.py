@@ -34,11 +34,11 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.dtensor import check_consistent, comm
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor import checked_entry, comm
+from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import SequenceMesh, reduction_scope
-from hyper_parallel.models.plan import OWNER, plan_of
+from hyper_parallel.models.plan import LAYER, OWNER, ParallelPlan, plan_of
 
 __all__ = ["sync_gradients"]
 
@@ -58,6 +58,20 @@ def _scopes(model: nn.Module, roles: dict[str, str]) -> dict[int, str]:
     return scopes
 
 
+def _fields(model: nn.Module) -> tuple[Any, dict[str, Any]] | None:
+    """``sync_gradients``' consistency signature (``checked_entry``), over every rank of the
+    batch: the trainable parameters (local shapes, dtypes) and the reduction. Nothing under
+    FSDP2 (``sync_gradients`` does nothing there) or for a model not parallelised (it raises)."""
+    plan = parallel_state(model, LAYER)
+    if not isinstance(plan, ParallelPlan) or plan.grad_reduction == "fsdp":
+        return None
+    if plan.mesh.batch.size() == 1:
+        return None
+    params = [_local(p) for p in model.parameters() if p.requires_grad]
+    return plan.mesh.batch.get_group(), {"params": params, "grad_reduction": plan.grad_reduction}
+
+
+@checked_entry("sync_gradients", _fields)
 def sync_gradients(model: nn.Module) -> None:
     """Sum each parameter's gradient over the ranks that computed a share of it (see the
     module docstring), in place, so that every gradient (``full_tensor()`` of a DTensor one)
@@ -74,13 +88,6 @@ def sync_gradients(model: nn.Module) -> None:
     sm: SequenceMesh = plan.mesh
     params = [p for p in model.parameters() if p.requires_grad]
     everyone = sm.batch  # every rank holding a share of the global batch
-    if consistency_enabled() and everyone.size() > 1:
-        check_consistent(
-            everyone.get_group(),
-            "sync_gradients",
-            params=[_local(p) for p in params],
-            grad_reduction=plan.grad_reduction,
-        )
     if not params:
         return
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hyper_parallel.dtensor import check_consistent, comm
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor import checked_entry, comm
+from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.models.batch import IGNORE_INDEX
 from hyper_parallel.models.documents import pass_documents
 from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
-from hyper_parallel.models.plan import OWNER, plan_of
+from hyper_parallel.models.plan import LAYER, OWNER, ParallelPlan, plan_of
 
 __all__ = ["global_loss", "global_mean_loss", "parallel_forward", "refuse_generate"]
 
@@ -144,32 +144,43 @@ def _check_call(args: tuple[Any, ...], kwargs: dict[str, Any], has_loss: bool) -
 
 def _argument(value: Any) -> Any:
     """What the consistency check compares of one keyword argument: a tensor (its shape, dtype
-    and device type, via ``check_consistent``), a plain value, or else its type's name (an
+    and device type, via ``checked_entry``), a plain value, or else its type's name (an
     object's ``repr`` may hold its address)."""
     if value is None or isinstance(value, (Tensor, bool, int, float, str)):
         return value
     return type(value).__name__
 
 
-def check_call_consistent(kwargs: dict[str, Any], sm: SequenceMesh, has_loss: bool) -> None:
-    """Consistency mode only: every rank of the flattened mesh compares the keyword arguments
-    of its call (``input_ids``, ``labels``/``shift_labels``, ``position_ids``, ...: tensors by
-    shape, dtype and device type; a packed-documents table also by its values), and whether
-    autograd records, before the first collective of the forward."""
-    if not consistency_enabled() or sm.size == 1:
-        return
+def _autocast(kwargs: dict[str, Any]) -> str:
+    """The autocast dtype the forward runs under on its inputs' device type (``"off"``)."""
+    ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    device = ids.device.type if isinstance(ids, Tensor) else "cpu"
+    try:
+        if not torch.is_autocast_enabled(device):
+            return "off"
+        return str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+    except (AttributeError, RuntimeError, TypeError):  # a device type autocast does not know
+        return "unknown"
+
+
+def _call_fields(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]] | None:
+    """The forward's consistency signature (``checked_entry``), over the flattened mesh: the
+    keyword arguments of the call (``input_ids``, ``labels``/``shift_labels``,
+    ``position_ids``, ...: tensors by shape, dtype and device type; a packed-documents table
+    also by its values), whether the model has a loss, whether autograd records and the
+    autocast dtype. The layers' own forward checks are covered by it (nested checks off)."""
+    plan = parallel_state(self, LAYER)
+    if not isinstance(plan, ParallelPlan) or plan.mesh.size == 1:
+        return None
     fields = {f"arg_{k}": _argument(v) for k, v in kwargs.items()}
     for key in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
         table = kwargs.get(key)
         if isinstance(table, Tensor) and table.dim() == 1:  # the documents: values, not shape
             fields[f"documents_{key}"] = tuple(int(v) for v in table.tolist())
-    check_consistent(
-        sm.flat.get_group(),
-        "parallelized model forward",
-        **fields,
-        has_loss=has_loss,
-        grad_enabled=torch.is_grad_enabled(),
-    )
+    fields["has_loss"] = plan.has_loss
+    fields["grad_enabled"] = torch.is_grad_enabled()
+    fields["autocast"] = _autocast(kwargs)
+    return plan.mesh.flat.get_group(), fields
 
 
 def _mask(family: str) -> dict[str, Any] | None:
@@ -188,14 +199,14 @@ def parallel_forward(model_class: type) -> Callable[..., Any]:
     both of Hugging Face's output forms: ``out.loss``, and the first element of the tuple that
     ``return_dict=False`` returns when labels are given."""
 
-    original = model_class.forward
+    original: Callable[..., Any] = model_class.forward  # type: ignore[attr-defined]
 
     @functools.wraps(original)
+    @checked_entry("parallelized model forward", _call_fields)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         plan = plan_of(self, "the parallelised forward")
         sm, has_loss = plan.mesh, plan.has_loss
         _check_call(args, kwargs, has_loss)
-        check_call_consistent(kwargs, sm, has_loss)
         kwargs["use_cache"] = False
         mask = _mask(plan.family)
         if mask is not None:

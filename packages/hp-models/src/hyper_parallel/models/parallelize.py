@@ -25,8 +25,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hyper_parallel.context_parallel import STRATEGIES, parallelize_mla
-from hyper_parallel.dtensor import DeviceMesh, check_consistent
-from hyper_parallel.dtensor.consistency import consistency_enabled
+from hyper_parallel.dtensor import DeviceMesh, checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized
 from hyper_parallel.kda import PROTOCOLS, parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
@@ -106,6 +105,57 @@ def _validate(
     return fam, base, roles
 
 
+def _signature(fn: Any) -> Any:
+    """``fn()``, or the name of the exception it raised: a signature field that cannot be read
+    on some rank then differs from the others' instead of raising there alone (the body raises
+    it on every rank when all agree)."""
+    try:
+        return fn()
+    except Exception as exc:
+        return f"<{type(exc).__name__}>"
+
+
+def _roles(model: nn.Module) -> list[tuple[str, str]]:
+    fam, base = family_of(model)
+    return sorted(
+        (f"layers.{i}.{name}", role_of(layer.get_submodule(name), fam))
+        for i, layer in enumerate(_layers(base))
+        for name in ("self_attn", "mlp")
+    )
+
+
+def _fields(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    mla_strategy: Any = "latent",
+    overlap: Any = True,
+    kda_protocol: Any = "auto",
+    grad_reduction: Any = "auto",
+    mp_policy: Any = None,
+) -> tuple[Any, dict[str, Any]]:
+    """``parallelize_model``'s consistency signature (``checked_entry``), over the default
+    group, before any sub-mesh is created (creating a process group involves every process):
+    the model's class, family, block roles, parameter dtypes and count, the mesh's shape and
+    dim names, and the options (``grad_reduction`` resolved)."""
+    if grad_reduction == "auto":
+        grad_reduction = "fsdp" if fsdp_available() else "allreduce"
+    return None, {
+        "model": type(model).__name__,
+        "family": _signature(lambda: family_of(model)[0].name),
+        "roles": _signature(lambda: _roles(model)),
+        "param_dtypes": _signature(lambda: sorted({str(p.dtype) for p in model.parameters()})),
+        "param_count": _signature(lambda: sum(1 for _ in model.parameters())),
+        "mesh": _signature(lambda: (tuple(mesh.mesh.shape), mesh.mesh_dim_names)),
+        "mla_strategy": mla_strategy,
+        "overlap": overlap,
+        "kda_protocol": kda_protocol,
+        "grad_reduction": grad_reduction,
+        "mp_policy": repr(mp_policy),
+    }
+
+
+@checked_entry("parallelize_model", _fields)
 def parallelize_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -155,34 +205,19 @@ def parallelize_model(
     ``("cp", "tp")``, MLA heads not divisible by ``cp·tp`` or an unknown option;
     ``RuntimeError`` for a second call on the same model.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the
-    sub-meshes are created, every process of the job (the default group: creating a process
-    group involves all of them) compares the model's class and family, the role of every block,
-    the parameter dtypes and count, the mesh's shape and dim names, and the options
-    (``mla_strategy``, ``overlap``, ``kda_protocol``, the resolved ``grad_reduction``); the
-    forward then compares its keyword arguments (tensors by shape, dtype and device type) over
-    the flattened mesh, and every layer makes its own checks.
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before anything
+    else (so before the sub-meshes are created), every process of the job (the default group:
+    creating a process group involves all of them) compares the model's class and family, the
+    role of every block, the parameter dtypes and count, the mesh's shape and dim names, and
+    the options (``mla_strategy``, ``overlap``, ``kda_protocol``, the resolved
+    ``grad_reduction``, ``mp_policy``); the layers' entry points called inside do not compare
+    again (hp-dtensor's ``checked_entry``). The forward then compares its keyword arguments
+    (tensors by shape, dtype and device type) over the flattened mesh, for its layers too.
     """
     fam, base, roles = _validate(model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction)
     check_mp_policy(mp_policy, grad_reduction)
     if grad_reduction == "auto":
         grad_reduction = "fsdp" if fsdp_available() else "allreduce"
-    if consistency_enabled():  # sequence_mesh creates process groups (every process joins)
-        check_consistent(
-            None,
-            "parallelize_model",
-            model=type(model).__name__,
-            family=fam.name,
-            roles=sorted(roles.items()),
-            param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
-            param_count=sum(1 for _ in model.parameters()),
-            mesh=(tuple(mesh.mesh.shape), mesh.mesh_dim_names),
-            mla_strategy=mla_strategy,
-            overlap=overlap,
-            kda_protocol=kda_protocol,
-            grad_reduction=grad_reduction,
-            mp_policy=repr(mp_policy),
-        )
     sm = sequence_mesh(mesh)
     for path, role in roles.items():
         block = base.get_submodule(path)
