@@ -159,7 +159,7 @@ class MC2Linear(nn.Linear, metaclass=_MC2LinearType):
                 return cast(MC2Linear, linear)
             uninstall_forward(linear, LAYER)
         elif type.__instancecheck__(MC2Linear, linear) and parallel is None:
-            return linear
+            return cast(MC2Linear, linear)
         _install(linear, parallel)
         return cast(MC2Linear, linear)
 
