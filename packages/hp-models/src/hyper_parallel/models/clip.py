@@ -139,15 +139,15 @@ def clip_grad_norm_(
     for slot, mesh in enumerate(meshes):
         for d in range(mesh.ndim):
             if mesh.size(d) > 1:
-                g = comm.resolve_group(mesh.get_group(d), "clip_grad_norm_")
+                grp = comm.resolve_group(mesh.get_group(d), "clip_grad_norm_")
                 if inf:  # the largest of the ranks' maxima: gathered, then max (exact)
                     every = comm.start_all_gather(
-                        totals[slot].reshape(1), 0, g, "all_gather:grad_norm_max", "step", OWNER
+                        totals[slot].reshape(1), 0, grp, "all_gather:grad_norm_max", "step", OWNER
                     )
                     totals[slot] = every.wait().max()
                 else:
                     name = "all_reduce:grad_norm"
-                    comm.start_all_reduce(totals[slot], g, name, "step", OWNER).wait()
+                    comm.start_all_reduce(totals[slot], grp, name, "step", OWNER).wait()
     if inf:
         total = torch.stack(totals).max()
     else:

@@ -93,9 +93,9 @@ def sync_gradients(model: nn.Module) -> None:
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
     dev = _local(params[0]).device
     if everyone.size() > 1:
-        g = comm.resolve_group(everyone, "sync_gradients")
-        has = comm.start_all_reduce(has.to(dev), g, "all_reduce:grad_flags", "step", OWNER)
-        has = has.wait().cpu()
+        grp = comm.resolve_group(everyone, "sync_gradients")
+        flags = comm.start_all_reduce(has.to(dev), grp, "all_reduce:grad_flags", "step", OWNER)
+        has = flags.wait().cpu()
     groups: dict[str, list[Any]] = {
         "world": [everyone],
         "cp": [sm.cp] if sm.dp is None else [sm.cp, sm.dp],
@@ -116,8 +116,8 @@ def sync_gradients(model: nn.Module) -> None:
             continue
         flat = torch.cat([g.reshape(-1) for g in grads])
         for m in meshes:
-            g = comm.resolve_group(m, "sync_gradients")
-            comm.start_all_reduce(flat, g, f"all_reduce:grads_{name}", "step", OWNER).wait()
+            grp = comm.resolve_group(m, "sync_gradients")
+            comm.start_all_reduce(flat, grp, f"all_reduce:grads_{name}", "step", OWNER).wait()
         offset = 0
         for g in grads:
             n = g.numel()

@@ -217,8 +217,8 @@ def parallel_forward(model_class: type) -> Callable[..., Any]:
             count = (targets != IGNORE_INDEX).sum()  # int64: the loss keeps its dtype
             if sm.batch.size() > 1:
                 g = comm.resolve_group(sm.batch, "the parallelised forward")
-                count = comm.start_all_reduce(count, g, "all_reduce:loss_tokens", "forward", OWNER)
-                count = count.wait()
+                work = comm.start_all_reduce(count, g, "all_reduce:loss_tokens", "forward", OWNER)
+                count = work.wait()
             kwargs["num_items_in_batch"] = count
         out = original(self, **kwargs)
         if targets is None or kwargs.get("labels") is None:
