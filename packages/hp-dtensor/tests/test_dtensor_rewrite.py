@@ -68,3 +68,14 @@ def test_a_failed_install_leaves_the_module_as_it_was(monkeypatch):
         install_forward(lin, "slots", _State(), _doubled, prefix="X")
     assert type(lin) is nn.Linear and not is_parallelized(lin)
     assert "_hp_parallel" not in lin.__dict__
+
+
+def test_extra_repr_shows_the_layers_options():
+    def shown(module: nn.Module) -> str:
+        return f"{nn.Linear.extra_repr(module)}, offset={parallel_state(module, 'shown').offset}"
+
+    lin = nn.Linear(3, 2, bias=False)
+    install_forward(lin, "shown", _State(), _doubled, prefix="Shown", extra_repr=shown)
+    assert repr(lin) == "ShownLinear(in_features=3, out_features=2, bias=False, offset=1.0)"
+    uninstall_forward(lin, "shown")
+    assert repr(lin) == "Linear(in_features=3, out_features=2, bias=False)"

@@ -64,9 +64,13 @@ def install_forward(
     make_forward: Callable[[type], Callable[..., Any]],
     *,
     prefix: str,
+    extra_repr: Callable[[nn.Module], str] | None = None,
 ) -> nn.Module:
     """Rewrite ``module`` for ``layer``: its class becomes ``<prefix><Class>``, a subclass whose
     ``forward`` is ``make_forward(original_class)``, and ``state`` is stored with it.
+    ``extra_repr``, if given, is the subclass's ``extra_repr`` (what ``repr(module)`` shows in
+    its parentheses, e.g. the original's plus the layer's options read from its state); a
+    layer passes the same one on every call.
 
     ``RuntimeError`` (module untouched) if any layer already rewrote ``module``."""
     existing = _rewrite(module)
@@ -79,15 +83,14 @@ def install_forward(
     key = (original, layer)
     cls = _CLASSES.get(key)
     if cls is None:
-        cls = type(
-            f"{prefix}{original.__name__}",
-            (original,),
-            {
-                "forward": make_forward(original),
-                "__module__": original.__module__,
-                "__doc__": original.__doc__,
-            },
-        )
+        members: dict[str, Any] = {
+            "forward": make_forward(original),
+            "__module__": original.__module__,
+            "__doc__": original.__doc__,
+        }
+        if extra_repr is not None:
+            members["extra_repr"] = extra_repr
+        cls = type(f"{prefix}{original.__name__}", (original,), members)
     module.__dict__[STATE_ATTR] = Rewrite(layer, original, state)
     try:
         module.__class__ = cls

@@ -171,7 +171,7 @@ class MC2Linear(nn.Linear, metaclass=_MC2LinearType):
 
 
 def _install(module: nn.Linear, parallel: MC2Parallel | None) -> None:
-    install_forward(module, LAYER, parallel, _make_forward, prefix="MC2")
+    install_forward(module, LAYER, parallel, _make_forward, prefix="MC2", extra_repr=_extra_repr)
 
 
 def _make_forward(original: type) -> Any:
