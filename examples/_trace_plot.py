@@ -6,8 +6,8 @@ collective recorded by hp-dtensor's ``record_events`` from launch to the end of 
 wait). A collective bar under a compute bar is communication hidden behind compute; a red
 ``wait`` span is communication that was not. Every layer's collectives (MLA, KDA, MC2) and
 hp-models' own (the loss's sums, ``sync_gradients``, clipping) run on hp-dtensor's comm runtime
-and are recorded; FSDP2's all-gathers and reduce-scatters, which are not on it, come from a
-``torch.profiler`` session of the step (examples/_fsdp_trace.py) onto the same comm lane.
+and are recorded; FSDP2's all-gathers and reduce-scatters, which are not on it, are timed from
+the ranges FSDP2 names them by (examples/_fsdp_trace.py) onto the same comm lane.
 """
 
 from __future__ import annotations
