@@ -1,8 +1,8 @@
-"""Blocking twins of the two duals and of the gated block: the same signatures and the same
-distributed results, with blocking whole-tensor collectives and plain autograd matmuls (no
-chunks, no fused kernels). Slow and obviously correct; tests compare every implementation
-against them, and users can swap them in to debug. (Formerly ``hyper_parallel.mc2.reference``,
-still importable as a deprecated alias.)"""
+"""Blocking twins of the two duals and of the gated and plain MLP blocks: the same
+signatures and the same distributed results, with blocking whole-tensor collectives and plain
+autograd matmuls (no chunks, no fused kernels). Slow and obviously correct; tests compare every
+implementation against them, and users can swap them in to debug. (Formerly
+``hyper_parallel.mc2.reference``, still importable as a deprecated alias.)"""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ from hyper_parallel.mc2._collectives import OWNER, _group, all_gather_async, red
 from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.backend import validate_operands
 from hyper_parallel.mc2.gated import validate_gated_operands
+from hyper_parallel.mc2.mlp import validate_mlp_operands
 
 __all__ = [
     "all_gather_matmul_reference",
     "gated_mlp_reference",
     "matmul_reduce_scatter_reference",
+    "mlp_block_reference",
 ]
 
 
@@ -146,5 +148,28 @@ def gated_mlp_reference(
     )
     big_x = _AllGatherRows.apply(x, group)
     h = act_fn(F.linear(big_x, gate_weight, gate_bias)) * F.linear(big_x, up_weight, up_bias)
+    y = _ReduceScatterRows.apply(F.linear(h, down_weight), group)
+    return y if down_bias is None else y + _SumGradOverRanks.apply(down_bias, group)
+
+
+@impl_keyword("mlp_block_reference")
+def mlp_block_reference(
+    x: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    group: Any = None,
+    *,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    impl: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """``ReduceScatter_m(act(X W_uᵀ + b_u) W_dᵀ) + b_d``, ``X = AllGather_m(x)``, in plain
+    autograd (it saves ``X`` and every intermediate); ``impl`` and ``chunks`` are accepted and
+    ignored."""
+    ws = dist.get_world_size(group)
+    validate_mlp_operands(x, up_weight, down_weight, up_bias, down_bias, act_fn, ws, "auto", None)
+    h = act_fn(F.linear(_AllGatherRows.apply(x, group), up_weight, up_bias))
     y = _ReduceScatterRows.apply(F.linear(h, down_weight), group)
     return y if down_bias is None else y + _SumGradOverRanks.apply(down_bias, group)

@@ -16,6 +16,11 @@ One gather of ``X`` feeds both gate and up. Saved for backward: ``G`` and ``U`` 
 and ``X`` is gathered again in backward, under the ``dx`` matmuls (README, "Design", for the
 measurement behind this choice). ``act'`` comes from autograd on the module's own ``act``,
 which must be per-element (:mod:`hyper_parallel.mc2.activation`).
+
+The same pipeline, with no gate, is the plain block ``H = act(U)`` of
+:func:`~hyper_parallel.mc2.mlp_block` (:mod:`hyper_parallel.mc2.mlp`): the functions here take
+the input projections as a tuple, ``(W_g, W_u)`` or ``(W_u,)``, and the pre-activations they
+save likewise, ``(G, U)`` or ``(U,)``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from hyper_parallel.mc2.npu_ops import current_npu_ops
 
 __all__ = [
     "gated_fields",
+    "select_block_backend",
+    "validate_block_operands",
     "gated_mlp",
     "run_gated_mlp",
     "select_gated_backend",
@@ -74,129 +81,189 @@ def _act_grads(act: Act, g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor) -> 
     return dg, du
 
 
+def _hidden(act: Act, pre: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``H`` from the pre-activations: ``act(G) ⊙ U`` (gated, ``pre = (G, U)``) or ``act(U)``
+    (plain, ``pre = (U,)``); neither is overwritten."""
+    return _gated(act, pre[0], pre[1]) if len(pre) == 2 else act(pre[0])
+
+
+def _pre_grads(act: Act, pre: tuple[torch.Tensor, ...], dh: torch.Tensor) -> tuple[Any, ...]:
+    """``(dG, dU)`` (gated) or ``(dU,) = (act'(U) ⊙ dH,)`` (plain) from ``dH``; the gated form
+    consumes ``U`` and ``dH``, the plain one neither. ``act'`` from autograd on ``act``."""
+    if len(pre) == 2:
+        return _act_grads(act, pre[0], pre[1], dh)
+    with torch.enable_grad():
+        u_ = pre[0].detach().requires_grad_()
+        a = act(u_)
+    return torch.autograd.grad(a, u_, dh)
+
+
 def _pipelined_forward(
     x: torch.Tensor,
-    ws_: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    bs: tuple[Any, Any],
+    w_in: tuple[torch.Tensor, ...],
+    wd: torch.Tensor,
+    b_in: tuple[Any, ...],
     act: Act,
     group: Any,
     ws: int,
     parts: Splits,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch`` backend forward, ``(Y, G, U)``, one pipeline over the row chunks: chunk j is
-    gathered under chunk j-1's gate/up/down matmuls, and chunk j's reduce-scatter runs under
-    chunk j+1's (the link carries ``X_{j+1}`` before ``RS_j``). Only the first gather and the
-    last reduce-scatter have no matmul to hide under. ``H`` exists one chunk at a time."""
-    wg, wu, wd = ws_
-    bg, bu = bs
-    m, fl = x.shape[0], wg.shape[0]
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``torch`` backend forward, ``(Y, pre)`` with ``pre = (G, U)`` (``w_in = (W_g, W_u)``,
+    gated) or ``(U,)`` (``w_in = (W_u,)``, plain), one pipeline over the row chunks: chunk j is
+    gathered under chunk j-1's input-projection/activation/down matmuls, and chunk j's
+    reduce-scatter runs under chunk j+1's (the link carries ``X_{j+1}`` before ``RS_j``). Only
+    the first gather and the last reduce-scatter have no matmul to hide under. ``H`` exists one
+    chunk at a time."""
+    m, fl = x.shape[0], w_in[0].shape[0]
     gather = _Gather(x, group, ws, parts)
     first: torch.Tensor | None = gather.next()
     single = len(parts) == 1
-    g = u = None
+    full: list[torch.Tensor] = []
     if not single:  # allocated once the first chunk has arrived (see _chunked)
-        g, u = (x.new_empty(ws, m, fl) for _ in range(2))
+        full = [x.new_empty(ws, m, fl) for _ in w_in]
     y = x.new_empty(m, wd.shape[0])
     pending = []
     for off, mj in parts:
         chunk = first if first is not None else gather.next()
         first = None
-        gj, uj = torch.matmul(chunk, wg.t()), torch.matmul(chunk, wu.t())  # [ws, m_j, F/ws]
+        pre = [torch.matmul(chunk, w.t()) for w in w_in]  # each [ws, m_j, F/ws]
         del chunk
-        if bg is not None:
-            gj.add_(bg)
-        if bu is not None:
-            uj.add_(bu)
+        for p, b in zip(pre, b_in):
+            if b is not None:
+                p.add_(b)
         if single:
-            g, u = gj, uj
+            full = pre
         else:
-            assert g is not None and u is not None
-            g[:, off : off + mj], u[:, off : off + mj] = gj, uj
-        partial = torch.matmul(_gated(act, gj, uj), wd.t())  # [ws, m_j, D], summed over ranks
-        del gj, uj
+            for f, p in zip(full, pre):
+                f[:, off : off + mj] = p
+        partial = torch.matmul(_hidden(act, tuple(pre)), wd.t())  # [ws, m_j, D], summed over ranks
+        del pre
         pending.append((reduce_scatter_async(y[off : off + mj], partial, group), partial))
         del partial
     for work, _ in pending:
         work.wait()
-    assert g is not None and u is not None
-    return y, g.view(ws * m, fl), u.view(ws * m, fl)
+    return y, tuple(f.view(ws * m, fl) for f in full)
 
 
 def _pipelined_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
-    g: torch.Tensor,
-    u: torch.Tensor,
-    ws_: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    pre: tuple[torch.Tensor, ...],
+    w_in: tuple[torch.Tensor, ...],
+    wd: torch.Tensor,
     act: Act,
     group: Any,
     ws: int,
     parts: Splits,
     need: tuple[bool, ...],
 ) -> list[Any]:
-    """``torch`` backend backward, ``[dx, dW_g, dW_u, dW_d, db_g, db_u, db_d]`` (``None`` where
-    not needed), one pipeline over the row chunks. Chunk j: ``dY_j`` arrives (``dY_{j+1}``
-    starts), ``H_j`` is recomputed, ``dH_j = dY_j W_d``, ``dW_d += dY_jᵀ H_j``, ``dG_j``,
-    ``dU_j``, ``dx_j = dG_j W_g + dU_j W_u`` is reduce-scattered once ``X_j`` (gathered again)
-    has arrived, under ``dW_g += dG_jᵀ X_j``, ``dW_u += dU_jᵀ X_j`` and the next chunk's work.
-    Only the first ``dY`` chunk has no matmul to hide under. ``g`` and ``u`` are consumed."""
-    wg, wu, wd = ws_
-    need_x, need_wg, need_wu = need[:3]
-    need_bg, need_bu, need_bd = need[4:7]
+    """``torch`` backend backward, ``[dx, *dW_in, dW_d, *db_in, db_d]`` (``None`` where not
+    needed; ``need`` in the same order), one pipeline over the row chunks. Chunk j: ``dY_j``
+    arrives (``dY_{j+1}`` starts), ``H_j`` is recomputed, ``dH_j = dY_j W_d``,
+    ``dW_d += dY_jᵀ H_j``, the pre-activation gradients (``dG_j``, ``dU_j``; plain: ``dU_j``),
+    ``dx_j = dG_j W_g + dU_j W_u`` (plain: ``dU_j W_u``) is reduce-scattered once ``X_j``
+    (gathered again) has arrived, under ``dW += dᵀ X_j`` and the next chunk's work. Only the
+    first ``dY`` chunk has no matmul to hide under. The gated form consumes ``pre``."""
+    k = len(w_in)
+    need_x, need_w, need_wd = need[0], need[1 : 1 + k], need[1 + k]
+    need_b, need_bd = need[2 + k : 2 + 2 * k], need[2 + 2 * k]
     m, dm = dy.shape
-    fl = wg.shape[0]
-    need_act = need_x or need_wg or need_wu or need_bg or need_bu
+    fl = w_in[0].shape[0]
+    need_act = need_x or any(need_w) or any(need_b)
     gdy = _Gather(dy, group, ws, parts)
     first: torch.Tensor | None = gdy.next()
-    gx = _Gather(x, group, ws, parts) if need_wg or need_wu else None
-    g3, u3 = g.view(ws, m, fl), u.view(ws, m, fl)
+    gx = _Gather(x, group, ws, parts) if any(need_w) else None
+    pre3 = [p.view(ws, m, fl) for p in pre]
     dx = dy.new_empty(m, x.shape[1]) if need_x else None
-    dwg, dwu, dwd = (dy.new_zeros(w.shape) if n else None for w, n in zip(ws_, need[1:4]))
-    dbg = dy.new_zeros(fl) if need_bg else None
-    dbu = dy.new_zeros(fl) if need_bu else None
+    dw = [dy.new_zeros(w.shape) if n else None for w, n in zip(w_in, need_w)]
+    dwd = dy.new_zeros(wd.shape) if need_wd else None
+    db = [dy.new_zeros(fl) if n else None for n in need_b]
     dbd = dy.new_zeros(dm) if need_bd else None
     pending = []
     for off, mj in parts:
         dyj = first if first is not None else gdy.next()  # [ws, m_j, D]
         first = None
-        gj, uj = g3[:, off : off + mj], u3[:, off : off + mj]
+        prej = tuple(p[:, off : off + mj] for p in pre3)
         if dwd is not None:
-            dwd.addmm_(dyj.view(ws * mj, dm).t(), _gated(act, gj, uj).reshape(ws * mj, fl))
+            dwd.addmm_(dyj.view(ws * mj, dm).t(), _hidden(act, prej).reshape(ws * mj, fl))
         if dbd is not None:
             dbd.add_(dyj.sum(dim=(0, 1)))
         if not need_act:
             continue
-        dgj, duj = _act_grads(act, gj, uj, torch.matmul(dyj, wd))
-        del dyj
-        if dbg is not None:
-            dbg.add_(dgj.sum(dim=(0, 1)))
-        if dbu is not None:
-            dbu.add_(duj.sum(dim=(0, 1)))
+        dpre = _pre_grads(act, prej, torch.matmul(dyj, wd))
+        del dyj, prej
+        for acc, d in zip(db, dpre):
+            if acc is not None:
+                acc.add_(d.sum(dim=(0, 1)))
         partial = None
         if dx is not None:
-            partial = torch.matmul(dgj, wg)  # [ws, m_j, D], summed over ranks below
-            partial.baddbmm_(duj, wu.expand(ws, *wu.shape))
+            partial = torch.matmul(dpre[0], w_in[0])  # [ws, m_j, D], summed over ranks below
+            for d, w in zip(dpre[1:], w_in[1:]):
+                partial.baddbmm_(d, w.expand(ws, *w.shape))
         xj = gx.next().view(ws * mj, -1) if gx is not None else None
         if dx is not None and partial is not None:
             pending.append((reduce_scatter_async(dx[off : off + mj], partial, group), partial))
             del partial
         if xj is not None:
-            for dw, d in ((dwg, dgj), (dwu, duj)):
-                if dw is not None:
-                    dw.addmm_(d.reshape(ws * mj, fl).t(), xj)
+            for acc, d in zip(dw, dpre):
+                if acc is not None:
+                    acc.addmm_(d.reshape(ws * mj, fl).t(), xj)
             del xj
-        del dgj, duj
+        del dpre
     for work, _ in pending:
         work.wait()
-    return [dx, dwg, dwu, dwd, dbg, dbu, dbd]
+    return [dx, *dw, dwd, *db, dbd]
 
 
-class _GatedMLP(torch.autograd.Function):
+def _npu_backward(
+    ctx: Any,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    pre: tuple[torch.Tensor, ...],
+    w_in: tuple[torch.Tensor, ...],
+    wd: torch.Tensor,
+    need: tuple[bool, ...],
+) -> list[Any]:
+    """``npu`` backend backward, the fused kernels one phase at a time; the same result list
+    (and ``need`` order) as :func:`_pipelined_backward`."""
+    k = len(w_in)
+    need_x, need_w, need_wd = need[0], need[1 : 1 + k], need[1 + k]
+    need_b, need_bd = need[2 + k : 2 + 2 * k], need[2 + 2 * k]
+    h = _hidden(ctx.act, pre)  # recomputed: one per-element pass instead of a saved [ws·m, F/ws]
+    dh, dy_full = ctx.ops.npu_all_gather_base_mm(
+        dy, wd, ctx.hcom, ctx.ws, bias=None, gather_index=0, gather_output=True
+    )
+    dwd = dy_full.t() @ h if need_wd else None
+    dbd = dy_full.sum(0) if need_bd else None
+    del dy_full, h
+    dpre = _pre_grads(ctx.act, pre, dh)
+    del pre, dh
+    db = [d.sum(0) if n else None for d, n in zip(dpre, need_b)]
+    dx = None
+    if need_x:
+        dcat = dpre[0] if k == 1 else torch.cat(dpre, dim=1)
+        w_cat = w_in[0] if k == 1 else torch.cat(w_in)
+        dx = ctx.ops.npu_mm_reduce_scatter_base(
+            dcat, w_cat, ctx.hcom, ctx.ws, reduce_op="sum", bias=None
+        )
+        del dcat
+    dw: list[Any] = [None] * k
+    if any(need_w):
+        big_x = x.new_empty(ctx.ws * x.shape[0], x.shape[1])
+        all_gather_async(big_x, x, ctx.group).wait()
+        dw = [d.t() @ big_x if n else None for d, n in zip(dpre, need_w)]
+    return [dx, *dw, dwd, *db, dbd]
+
+
+class _MLPBlock(torch.autograd.Function):
+    """The gated block, or with ``wg`` (and ``bg``) ``None`` the plain one
+    (``Y = ReduceScatter_m(act(X W_uᵀ + b_u) W_dᵀ) + b_d``)."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         x: torch.Tensor,
-        wg: torch.Tensor,
+        wg: torch.Tensor | None,
         wu: torch.Tensor,
         wd: torch.Tensor,
         bg: torch.Tensor | None,
@@ -208,89 +275,124 @@ class _GatedMLP(torch.autograd.Function):
         chunks: int,
     ) -> torch.Tensor:
         ws = dist.get_world_size(group)
-        x, wg, wu, wd = (t.contiguous() for t in (x, wg, wu, wd))
-        fl = wg.shape[0]
+        w_in = tuple(t.contiguous() for t in ((wu,) if wg is None else (wg, wu)))
+        b_in = (bu,) if wg is None else (bg, bu)
+        x, wd = x.contiguous(), wd.contiguous()
+        fl = wu.shape[0]
         ctx.group, ctx.ws, ctx.backend, ctx.act = group, ws, backend, act
-        ctx.has_bias = (bg is not None, bu is not None, bd is not None)
+        ctx.where = "mlp_block" if wg is None else "gated_mlp"
+        pre: tuple[torch.Tensor, ...]
         if backend == "npu":
             ops = current_npu_ops()
             hcom = ops.comm_name(group)
             ctx.ops, ctx.hcom = ops, hcom
-            gu, _ = ops.npu_all_gather_base_mm(
-                x,
-                torch.cat([wg, wu]).t(),
-                hcom,
-                ws,
-                bias=None,
-                gather_index=0,
-                gather_output=False,
+            w_cat = w_in[0] if len(w_in) == 1 else torch.cat(w_in)
+            pre_cat, _ = ops.npu_all_gather_base_mm(
+                x, w_cat.t(), hcom, ws, bias=None, gather_index=0, gather_output=False
             )
-            g, u = gu[:, :fl], gu[:, fl:]
-            if bg is not None:
-                g.add_(bg)
-            if bu is not None:
-                u.add_(bu)
-            h = _gated(act, g, u)
+            pre = tuple(pre_cat[:, i * fl : (i + 1) * fl] for i in range(len(w_in)))
+            for p, b in zip(pre, b_in):
+                if b is not None:
+                    p.add_(b)
+            h = _hidden(act, pre)
             y = ops.npu_mm_reduce_scatter_base(h, wd.t(), hcom, ws, reduce_op="sum", bias=None)
             del h
         else:
             ctx.splits = splits(x.shape[0], chunks)
-            y, g, u = _pipelined_forward(x, (wg, wu, wd), (bg, bu), act, group, ws, ctx.splits)
+            y, pre = _pipelined_forward(x, w_in, wd, b_in, act, group, ws, ctx.splits)
         if bd is not None:
             y.add_(bd)
-        ctx.save_for_backward(x, wg, wu, wd)
+        ctx.save_for_backward(x, *w_in, wd)
         # Intermediates live on ctx (not save_for_backward) so backward can free them as soon
         # as they are used; a second backward through the same graph is refused.
-        ctx.g, ctx.u = g, u
+        ctx.pre = pre
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        if not hasattr(ctx, "g"):
+        if not hasattr(ctx, "pre"):
             raise RuntimeError(
-                "gated_mlp: backward ran twice through the same graph; retain_graph=True is "
+                f"{ctx.where}: backward ran twice through the same graph; retain_graph=True is "
                 "not supported (the saved activations are freed as they are used)"
             )
-        x, wg, wu, wd = ctx.saved_tensors
-        g, u = ctx.g, ctx.u
-        del ctx.g, ctx.u
-        need = ctx.needs_input_grad
-        need_x, need_wg, need_wu, need_wd = need[:4]
-        need_bg, need_bu, need_bd = need[4:7]
-        group, ws, act = ctx.group, ctx.ws, ctx.act
+        x, *ws_in, wd = ctx.saved_tensors
+        w_in = tuple(ws_in)
+        pre = ctx.pre
+        del ctx.pre
+        need = ctx.needs_input_grad[:7]  # x, wg, wu, wd, bg, bu, bd
+        plain = len(w_in) == 1
+        # in the pipeline's order: x, *w_in, wd, *b_in, bd
+        order = (0, 2, 3, 5, 6) if plain else tuple(range(7))
+        need_p = tuple(need[i] for i in order)
         dy = dy.contiguous()
         if ctx.backend != "npu":
             grads = _pipelined_backward(
-                dy, x, g, u, (wg, wu, wd), act, group, ws, ctx.splits, need[:7]
+                dy, x, pre, w_in, wd, ctx.act, ctx.group, ctx.ws, ctx.splits, need_p
             )
-            return (*grads, None, None, None, None)
-        # npu: the fused kernels, one phase at a time
-        h = _gated(act, g, u)  # recomputed: one per-element pass instead of a saved [ws·m, F/ws]
-        dh, dy_full = ctx.ops.npu_all_gather_base_mm(
-            dy, wd, ctx.hcom, ws, bias=None, gather_index=0, gather_output=True
+        else:
+            grads = _npu_backward(ctx, dy, x, pre, w_in, wd, need_p)
+        out: list[Any] = [None] * 7
+        for i, g in zip(order, grads):
+            out[i] = g
+        return (*out, None, None, None, None)
+
+
+def validate_block_operands(
+    where: str,
+    x: Any,
+    w_in: tuple[Any, ...],
+    b_in: tuple[Any, ...],
+    wd: Any,
+    bd: Any,
+    act: Any,
+    world_size: int,
+    backend: str,
+    chunks: int | None,
+) -> None:
+    """Local checks of a fused block, gated (``w_in = (W_g, W_u)``) or plain
+    (``w_in = (W_u,)``), the same on every rank for same-shaped operands; run before any
+    collective. ``where`` names the entry point in the messages."""
+    if backend not in BACKENDS:
+        raise ValueError(f"impl must be one of {BACKENDS}, got {backend!r}")
+    for w, b in zip(w_in, b_in):
+        validate_operands("all_gather_matmul", x, w, b, world_size, "auto", chunks)
+    first, ref_name = w_in[0], ("gate weight" if len(w_in) == 2 else "up weight")
+    if len(w_in) == 2 and tuple(w_in[1].shape) != tuple(first.shape):
+        raise ValueError(
+            f"{where}: gate weight {tuple(first.shape)} and up weight {tuple(w_in[1].shape)} "
+            "differ (both [F/ws, D])"
         )
-        dwd = dy_full.t() @ h if need_wd else None
-        dbd = dy_full.sum(0) if need_bd else None
-        del dy_full, h
-        dg, du = _act_grads(act, g, u, dh)
-        del g, u, dh
-        dbg = dg.sum(0) if need_bg else None
-        dbu = du.sum(0) if need_bu else None
-        dx = dwg = dwu = None
-        if need_x:
-            dgu = torch.cat([dg, du], dim=1)
-            dx = ctx.ops.npu_mm_reduce_scatter_base(
-                dgu, torch.cat([wg, wu]), ctx.hcom, ws, reduce_op="sum", bias=None
+    for name, t in (("down weight", wd), ("down bias", bd)):
+        if isinstance(t, DTensor):
+            raise TypeError(
+                f"{where}: {name} is a DTensor; the functional form takes this rank's local "
+                "tensors (pass .to_local())"
             )
-            del dgu
-        if need_wg or need_wu:
-            big_x = x.new_empty(ws * x.shape[0], x.shape[1])
-            all_gather_async(big_x, x, group).wait()
-            dwg = dg.t() @ big_x if need_wg else None
-            dwu = du.t() @ big_x if need_wu else None
-        return dx, dwg, dwu, dwd, dbg, dbu, dbd, None, None, None, None
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    want = (first.shape[1], first.shape[0])
+    if wd.dim() != 2 or tuple(wd.shape) != want:
+        raise ValueError(f"{where}: down weight must be [D, F/ws] = {want}, got {tuple(wd.shape)}")
+    if bd is not None and tuple(bd.shape) != (want[0],):
+        raise ValueError(
+            f"{where}: down bias must be the full, replicated [D] = ({want[0]},), "
+            f"got {tuple(bd.shape)}"
+        )
+    same = [("up weight", w_in[1], first)] if len(w_in) == 2 else []
+    for name, t, ref in (*same, ("down weight", wd, first), ("down bias", bd, wd)):
+        if t is None:
+            continue
+        if t.device != ref.device:
+            other = "down weight" if ref is wd else ref_name
+            raise ValueError(f"{where}: {name} is on {t.device} but {other} is on {ref.device}")
+        if t.dtype != x.dtype:
+            raise TypeError(
+                f"{where}: x is {dtype_name(x.dtype)} but {name} is {dtype_name(t.dtype)}; "
+                "x, the weights and the biases must share one dtype"
+            )
+    check_elementwise_activation(act, where)
 
 
 def validate_gated_operands(
@@ -307,44 +409,32 @@ def validate_gated_operands(
     chunks: int | None,
 ) -> None:
     """Local checks, the same on every rank for same-shaped operands; run before any collective."""
-    where = "gated_mlp"
-    if backend not in BACKENDS:
-        raise ValueError(f"impl must be one of {BACKENDS}, got {backend!r}")
-    validate_operands("all_gather_matmul", x, wg, bg, world_size, "auto", chunks)
-    validate_operands("all_gather_matmul", x, wu, bu, world_size, "auto", chunks)
-    if tuple(wu.shape) != tuple(wg.shape):
-        raise ValueError(
-            f"{where}: gate weight {tuple(wg.shape)} and up weight {tuple(wu.shape)} differ "
-            "(both [F/ws, D])"
-        )
-    for name, t in (("down weight", wd), ("down bias", bd)):
-        if isinstance(t, DTensor):
-            raise TypeError(
-                f"{where}: {name} is a DTensor; the functional form takes this rank's local "
-                "tensors (pass .to_local())"
-            )
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    want = (wg.shape[1], wg.shape[0])
-    if wd.dim() != 2 or tuple(wd.shape) != want:
-        raise ValueError(f"{where}: down weight must be [D, F/ws] = {want}, got {tuple(wd.shape)}")
-    if bd is not None and tuple(bd.shape) != (want[0],):
-        raise ValueError(
-            f"{where}: down bias must be the full, replicated [D] = ({want[0]},), "
-            f"got {tuple(bd.shape)}"
-        )
-    for name, t, ref in (("up weight", wu, wg), ("down weight", wd, wg), ("down bias", bd, wd)):
-        if t is None:
-            continue
-        if t.device != ref.device:
-            other = "down weight" if ref is wd else "gate weight"
-            raise ValueError(f"{where}: {name} is on {t.device} but {other} is on {ref.device}")
-        if t.dtype != x.dtype:
-            raise TypeError(
-                f"{where}: x is {dtype_name(x.dtype)} but {name} is {dtype_name(t.dtype)}; "
-                "x, the weights and the biases must share one dtype"
-            )
-    check_elementwise_activation(act, where)
+    validate_block_operands(
+        "gated_mlp", x, (wg, wu), (bg, bu), wd, bd, act, world_size, backend, chunks
+    )
+
+
+def select_block_backend(
+    x: torch.Tensor, in_rows: int, wd: torch.Tensor, group: Any, backend: str, where: str
+) -> tuple[str, str]:
+    """``(choice, reason)`` for a fused block whose input projection has ``in_rows`` output
+    features on this rank (gated: gate+up concatenated, ``2F/ws``; plain: ``F/ws``): ``npu``
+    needs both fused kernels' constraints to hold for it and for down."""
+    if backend == "torch":
+        return "torch", "impl='torch' requested"
+    ws = dist.get_world_size(group)
+    w_in = torch.empty((in_rows, wd.shape[0]), dtype=wd.dtype, device="meta")
+    failure = npu_constraint_failure("all_gather_matmul", x, w_in, ws)
+    if failure is None:
+        h = _rows_like(x, ws, wd.shape[1])
+        failure = npu_constraint_failure("matmul_reduce_scatter", h, wd, ws)
+    if backend == "npu":
+        if failure:
+            raise ValueError(f"impl='npu' cannot run {where}: {failure}")
+        return "npu", "impl='npu' requested and every kernel constraint holds"
+    if failure:
+        return "torch", failure
+    return "npu", "tensors are on npu, the kernels are available and every constraint holds"
 
 
 def select_gated_backend(
@@ -352,21 +442,7 @@ def select_gated_backend(
 ) -> tuple[str, str]:
     """``(choice, reason)`` for the gated block: ``npu`` needs both fused kernels' constraints
     to hold for the gate+up projection (weights concatenated, ``[2F/ws, D]``) and for down."""
-    if backend == "torch":
-        return "torch", "impl='torch' requested"
-    ws = dist.get_world_size(group)
-    gu = torch.empty((2 * wg.shape[0], wg.shape[1]), dtype=wg.dtype, device="meta")
-    failure = npu_constraint_failure("all_gather_matmul", x, gu, ws)
-    if failure is None:
-        h = _rows_like(x, ws, wd.shape[1])
-        failure = npu_constraint_failure("matmul_reduce_scatter", h, wd, ws)
-    if backend == "npu":
-        if failure:
-            raise ValueError(f"impl='npu' cannot run gated_mlp: {failure}")
-        return "npu", "impl='npu' requested and every kernel constraint holds"
-    if failure:
-        return "torch", failure
-    return "npu", "tensors are on npu, the kernels are available and every constraint holds"
+    return select_block_backend(x, 2 * wg.shape[0], wd, group, backend, "gated_mlp")
 
 
 def _rows_like(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -384,7 +460,8 @@ def gated_fields(
     backend: str,
     chunks: int | None,
 ) -> dict[str, Any]:
-    """What the ranks compare for one gated block (consistency mode): ``x``, the weights and
+    """What the ranks compare for one gated block (a ``None`` gate: the plain block)
+    (consistency mode): ``x``, the weights and
     biases as the block sees them (under autocast: cast), the chosen backend, the chunk count
     and the group size. Never raises: operands the block rejects give ``"<ErrorType>"`` as the
     choice (the body then raises the same error on every rank that agreed)."""
@@ -477,7 +554,7 @@ def gated_mlp(
 
 def _prepare_gated(
     x: torch.Tensor,
-    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    weights: tuple[Any, torch.Tensor, torch.Tensor],
     biases: tuple[Any, Any, Any],
     group: Any,
     act_fn: Act,
@@ -485,19 +562,23 @@ def _prepare_gated(
     chunks: int | None,
 ) -> tuple[str, int]:
     """Validate (local, the same on every rank for same-shaped operands), choose the backend
-    and the chunk count."""
+    and the chunk count. A ``None`` gate weight (and bias): the plain block (``mlp_block``)."""
     (wg, wu, wd), (bg, bu, bd) = weights, biases
     ws = dist.get_world_size(group)
-    validate_gated_operands(x, wg, wu, wd, bg, bu, bd, act_fn, ws, backend, chunks)
-    choice, _ = select_gated_backend(x, wg, wd, group, backend)
+    plain = wg is None and bg is None
+    w_in, b_in = ((wu,), (bu,)) if plain else ((wg, wu), (bg, bu))
+    where = "mlp_block" if plain else "gated_mlp"
+    validate_block_operands(where, x, w_in, b_in, wd, bd, act_fn, ws, backend, chunks)
+    in_rows = sum(w.shape[0] for w in w_in)
+    choice, _ = select_block_backend(x, in_rows, wd, group, backend, where)
     if chunks is None:
-        chunks = default_chunks(x.shape[0], x.shape[1], 2 * wg.shape[0], ws, x.device.type)
+        chunks = default_chunks(x.shape[0], x.shape[1], in_rows, ws, x.device.type)
     return choice, chunks
 
 
 def run_gated_mlp(
     x: torch.Tensor,
-    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    weights: tuple[Any, torch.Tensor, torch.Tensor],
     biases: tuple[Any, Any, Any],
     group: Any,
     act_fn: Act,
@@ -505,9 +586,10 @@ def run_gated_mlp(
     chunks: int | None,
 ) -> torch.Tensor:
     """:func:`gated_mlp` without its consistency check (callers that are checked entry points
-    themselves declare their own)."""
+    themselves declare their own); a ``None`` gate weight and bias run the plain block
+    (:func:`~hyper_parallel.mc2.mlp_block`)."""
     # under autocast: the operands in its dtype, the function with autocast off (dtensor.amp)
     x, wg, wu, wd, bg, bu, bd = cast_for_autocast(x.device.type, x, *weights, *biases)
     choice, chunks = _prepare_gated(x, (wg, wu, wd), (bg, bu, bd), group, act_fn, backend, chunks)
     with autocast_off(x.device.type):
-        return _GatedMLP.apply(x, wg, wu, wd, bg, bu, bd, act_fn, group, choice, chunks)
+        return _MLPBlock.apply(x, wg, wu, wd, bg, bu, bd, act_fn, group, choice, chunks)

@@ -74,12 +74,7 @@ def _forward_fields(self: nn.Module, x: Any) -> tuple[Any, dict[str, Any]]:
     plan = cast(_GatedPlan, parallel_state(self, LAYER))
     weights, biases = _operands(self, plan)
     fields: dict[str, Any] = {"input": x, "sequence_dim": plan.sequence_dim}
-    rows = x
-    try:
-        rows = x.movedim(plan.sequence_dim, 0)
-        rows = rows.reshape(-1, rows.shape[-1])
-    except Exception:  # rejected by the body, after the comparison
-        pass
+    rows = rows_of(x, plan.sequence_dim)
     act = getattr(self, "act_fn", None)
     fields.update(gated_fields(rows, weights, biases, plan.group, act, plan.impl, plan.chunks))
     return plan.group, fields
@@ -92,50 +87,64 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     (wg, wu, wd), (bg, bu, bd) = _operands(self, plan)
     if isinstance(x, torch.Tensor):  # under autocast: the dtypes F.linear would compute in
         x, wg, wu, wd, bg, bu, bd = cast_for_autocast(x.device.type, x, wg, wu, wd, bg, bu, bd)
-    seq = _check_input(x, wg, plan.sequence_dim)
-    # Sequence first, so each rank's tokens are one contiguous block of rows.
+    seq = check_input(x, wg, plan.sequence_dim)
+    act = cast(Any, self.act_fn)
+    return on_rows(
+        x,
+        seq,
+        lambda rows: run_gated_mlp(
+            rows, (wg, wu, wd), (bg, bu, bd), plan.group, act, plan.impl, plan.chunks
+        ),
+    )
+
+
+def rows_of(x: Any, sequence_dim: int) -> Any:
+    """``x`` ``[..., S_local, ..., D]`` as rows ``[N, D]``, sequence first (for the consistency
+    fields; ``x`` itself where the body will reject it)."""
+    try:
+        rows = x.movedim(sequence_dim, 0)
+        return rows.reshape(-1, rows.shape[-1])
+    except Exception:  # rejected by the body, after the comparison
+        return x
+
+
+def on_rows(x: torch.Tensor, seq: int, run: Any) -> torch.Tensor:
+    """``run`` on ``x``'s rows, sequence first so each rank's tokens are one contiguous block
+    of rows, and its ``[N, D]`` result back in ``x``'s layout."""
     xs = x.movedim(seq, 0)
     lead = xs.shape[:-1]
-    y2 = run_gated_mlp(
-        xs.reshape(-1, xs.shape[-1]),
-        (wg, wu, wd),
-        (bg, bu, bd),
-        plan.group,
-        cast(Any, self.act_fn),
-        plan.impl,
-        plan.chunks,
-    )
+    y2 = run(xs.reshape(-1, xs.shape[-1]))
     return y2.view(*lead, y2.shape[-1]).movedim(0, seq)
 
 
-def _check_input(x: Any, weight: torch.Tensor, sequence_dim: int) -> int:
+def check_input(x: Any, weight: torch.Tensor, sequence_dim: int, where: str = _NAME) -> int:
     """Local checks, identical on every rank for same-shaped inputs; the normalised seq dim."""
     if isinstance(x, DTensor):
         raise TypeError(
-            f"{_NAME}: the input must be this rank's sequence block as a local tensor "
+            f"{where}: the input must be this rank's sequence block as a local tensor "
             f"[B, S/tp, D], got a DTensor with placements {x.placements}; pass x.to_local() "
             "(or the local block you would shard it into)"
         )
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{_NAME}: the input must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{where}: the input must be a torch.Tensor, got {type(x).__name__}")
     d = x.dim()
     if d < 2 or not -d <= sequence_dim < d or sequence_dim % d == d - 1:
         raise ValueError(
-            f"{_NAME}: sequence_dim={sequence_dim} is out of range for a {d}-D input "
+            f"{where}: sequence_dim={sequence_dim} is out of range for a {d}-D input "
             f"{tuple(x.shape)} (the last dim holds the features)"
         )
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(
-            f"{_NAME}: input has {x.shape[-1]} features but the module's hidden size is "
+            f"{where}: input has {x.shape[-1]} features but the module's hidden size is "
             f"{weight.shape[1]}"
         )
     if x.dtype != weight.dtype:
         raise TypeError(
-            f"{_NAME}: input is {dtype_name(x.dtype)} but the weights are "
+            f"{where}: input is {dtype_name(x.dtype)} but the weights are "
             f"{dtype_name(weight.dtype)}; cast the module or the input"
         )
     if x.device != weight.device:
-        raise ValueError(f"{_NAME}: input is on {x.device} but the weights are on {weight.device}")
+        raise ValueError(f"{where}: input is on {x.device} but the weights are on {weight.device}")
     return sequence_dim % d
 
 

@@ -1,0 +1,144 @@
+"""The plain (non-gated) MLP block of a tensor + sequence parallel layer as one autograd
+function: ``up → act → down`` with one pipeline over row chunks, forward and backward.
+
+Notation (README, "Design"): ``x`` ``[m, D]`` is this rank's rows, ``X = AllGather_m(x)``
+``[ws·m, D]``; ``W_u`` ``[F/ws, D]`` and ``W_d`` ``[D, F/ws]`` are this rank's shards.
+
+    U = X W_uᵀ + b_u,   H = act(U),   Y = ReduceScatter_m(H W_dᵀ) + b_d
+
+Backward, with ``dY_full = AllGather_m(dY)``:
+
+    dH = dY_full W_d,   dW_d = dY_fullᵀ H,   db_d = Σ dY_full
+    dU = act'(U) ⊙ dH,   db_u = Σ dU,   dx = ReduceScatter_m(dU W_u),   dW_u = dUᵀ X
+
+It runs the gated block's pipeline (:mod:`hyper_parallel.mc2.gated`) with one input
+projection instead of two: in forward chunk j of ``X`` is gathered under chunk j-1's
+up/act/down matmuls and chunk j's reduce-scatter runs under chunk j+1's; in backward the
+``dY`` chunks are gathered ahead and each ``dx`` chunk is reduce-scattered under the ``dW_u``
+matmul and the next chunk's work. Saved for backward: ``U`` only (``act(U)`` is recomputed, one
+per-element pass), and ``X`` is gathered again in backward like the gated block does — the
+same trade (a ``[ws·m, D]`` activation not kept per layer for one more gather that runs under
+the ``dx``/``dW_d`` matmuls), and one code path for both blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hyper_parallel.dtensor.consistency import checked_entry
+from hyper_parallel.mc2._keywords import impl_keyword
+from hyper_parallel.mc2.gated import gated_fields, run_gated_mlp, validate_block_operands
+
+__all__ = ["mlp_block", "mlp_fields", "run_mlp_block", "validate_mlp_operands"]
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+
+def validate_mlp_operands(
+    x: Any,
+    wu: Any,
+    wd: Any,
+    bu: Any,
+    bd: Any,
+    act: Any,
+    world_size: int,
+    backend: str,
+    chunks: int | None,
+) -> None:
+    """Local checks, the same on every rank for same-shaped operands; run before any collective."""
+    validate_block_operands("mlp_block", x, (wu,), (bu,), wd, bd, act, world_size, backend, chunks)
+
+
+def mlp_fields(
+    x: Any,
+    weights: tuple[Any, Any],
+    biases: tuple[Any, Any],
+    group: Any,
+    act_fn: Any,
+    backend: str,
+    chunks: int | None,
+) -> dict[str, Any]:
+    """What the ranks compare for one plain block (consistency mode): ``x``, ``W_u``, ``W_d``
+    and the biases as the block sees them, the chosen backend, the chunk count and the group
+    size. Never raises (rejected operands give ``"<ErrorType>"`` as the choice)."""
+    fields = gated_fields(x, (None, *weights), (None, *biases), group, act_fn, backend, chunks)
+    del fields["gate_weight"]
+    fields["biases"] = fields["biases"][1:]
+    return fields
+
+
+def _mlp_block_fields(
+    x: Any,
+    up_weight: Any,
+    down_weight: Any,
+    group: Any = None,
+    *,
+    act_fn: Any = None,
+    up_bias: Any = None,
+    down_bias: Any = None,
+    impl: str = "auto",
+    chunks: int | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    weights, biases = (up_weight, down_weight), (up_bias, down_bias)
+    return group, mlp_fields(x, weights, biases, group, act_fn, impl, chunks)
+
+
+@impl_keyword("mlp_block")
+@checked_entry("mlp_block", _mlp_block_fields)
+def mlp_block(
+    x: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    group: Any = None,
+    *,
+    act_fn: Act,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    impl: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """Sequence + tensor parallel plain MLP ``Y = ReduceScatter_m(act(X W_uᵀ + b_u) W_dᵀ) +
+    b_d`` with ``X = AllGather_m(x)``, one pipeline over row chunks in forward and backward.
+
+    Args:
+        x: ``[m, D]``, this rank's rows (a local tensor, not a DTensor); rank ``r`` holds rows
+            ``r·m … (r+1)·m - 1`` of the gathered ``[ws·m, D]``.
+        up_weight: ``[F/ws, D]``, this rank's output-feature shard.
+        down_weight: ``[D, F/ws]``, this rank's input-feature shard.
+        group: the tensor-parallel process group (``None``: the default group).
+        act_fn: a per-element activation (see :mod:`hyper_parallel.mc2.activation`).
+        up_bias: ``[F/ws]`` shard or ``None``; down_bias: ``[D]``, replicated, or ``None``.
+        impl: ``"auto"``, ``"torch"`` (chunked async collectives overlapped with the matmuls)
+            or ``"npu"`` (the torch_npu MC2 kernels, one phase at a time; ``backend=`` is its
+            deprecated name).
+        chunks: ``torch`` backend only: pieces ``m`` is split into for overlap (``None``: from
+            the shapes and device type alone, identical on every rank).
+
+    Returns:
+        ``[m, D]``: this rank's rows of the output. Gradients: ``dx`` ``[m, D]``, ``dW_u``,
+        ``dW_d`` and ``db_u`` this rank's shards, ``db_d`` the full sum (replicated).
+
+    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
+    collective every rank of ``group`` compares ``x``, both weights and the biases, the chosen
+    ``impl``, ``chunks`` and the group size (``InconsistentRanksError`` naming the field).
+    """
+    return run_mlp_block(
+        x, (up_weight, down_weight), (up_bias, down_bias), group, act_fn, impl, chunks
+    )
+
+
+def run_mlp_block(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    biases: tuple[Any, Any],
+    group: Any,
+    act_fn: Act,
+    backend: str,
+    chunks: int | None,
+) -> torch.Tensor:
+    """:func:`mlp_block` without its consistency check (for checked entry points that declare
+    their own, like :class:`~hyper_parallel.mc2.MC2MLPParallel`'s forward)."""
+    return run_gated_mlp(x, (None, *weights), (None, *biases), group, act_fn, backend, chunks)
