@@ -117,7 +117,7 @@ class RankHooks:
         self.trace: dict[str, Any] = {}
         self.timed: dict[tuple[str, str], float] = {}
         self.current = -1  # the step running
-        self.fsdp = False  # FSDP2 reduces the gradients: its collectives come from the profiler
+        self.fsdp = False  # FSDP2 reduces the gradients: its collectives from its named ranges
 
     def on_model(self, model: torch.nn.Module, mesh: Any) -> None:
         from hyper_parallel.dtensor.rewrite import parallel_state
