@@ -70,12 +70,21 @@ def test_a_failed_install_leaves_the_module_as_it_was(monkeypatch):
     assert "_hp_parallel" not in lin.__dict__
 
 
-def test_extra_repr_shows_the_layers_options():
+def test_members_are_methods_of_the_class_so_copies_use_their_own():
     def shown(module: nn.Module) -> str:
         return f"{nn.Linear.extra_repr(module)}, offset={parallel_state(module, 'shown').offset}"
 
     lin = nn.Linear(3, 2, bias=False)
-    install_forward(lin, "shown", _State(), _doubled, prefix="Shown", extra_repr=shown)
+
+    def weight_sum(module: nn.Module) -> float:
+        return float(module.weight.sum())
+
+    members = {"extra_repr": shown, "weight_sum": weight_sum}
+    install_forward(lin, "shown", _State(), _doubled, prefix="Shown", members=members)
     assert repr(lin) == "ShownLinear(in_features=3, out_features=2, bias=False, offset=1.0)"
+    twin = copy.deepcopy(lin)
+    with torch.no_grad():
+        twin.weight.add_(1.0)
+    assert twin.weight_sum() == pytest.approx(lin.weight_sum() + 6.0)  # reads the copy
     uninstall_forward(lin, "shown")
     assert repr(lin) == "Linear(in_features=3, out_features=2, bias=False)"

@@ -20,7 +20,7 @@ then), so rewriting many layers of one model makes one class.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,13 +64,15 @@ def install_forward(
     make_forward: Callable[[type], Callable[..., Any]],
     *,
     prefix: str,
-    extra_repr: Callable[[nn.Module], str] | None = None,
+    members: Mapping[str, Callable[..., Any]] | None = None,
 ) -> nn.Module:
     """Rewrite ``module`` for ``layer``: its class becomes ``<prefix><Class>``, a subclass whose
     ``forward`` is ``make_forward(original_class)``, and ``state`` is stored with it.
-    ``extra_repr``, if given, is the subclass's ``extra_repr`` (what ``repr(module)`` shows in
-    its parentheses, e.g. the original's plus the layer's options read from its state); a
-    layer passes the same one on every call.
+    ``members``, if given, are further methods of the subclass (e.g. an ``extra_repr`` showing
+    the layer's options, or a ``save_pretrained`` that must act on the rewritten module): as
+    methods of the class, not attributes of the instance, a deep copy's act on the copy. They
+    read what they need from the state (:func:`parallel_state`); a layer passes the same ones
+    on every call (the subclass is made once per class and layer).
 
     ``RuntimeError`` (module untouched) if any layer already rewrote ``module``."""
     existing = _rewrite(module)
@@ -83,14 +85,13 @@ def install_forward(
     key = (original, layer)
     cls = _CLASSES.get(key)
     if cls is None:
-        members: dict[str, Any] = {
+        body: dict[str, Any] = {
+            **(members or {}),
             "forward": make_forward(original),
             "__module__": original.__module__,
             "__doc__": original.__doc__,
         }
-        if extra_repr is not None:
-            members["extra_repr"] = extra_repr
-        cls = type(f"{prefix}{original.__name__}", (original,), members)
+        cls = type(f"{prefix}{original.__name__}", (original,), body)
     module.__dict__[STATE_ATTR] = Rewrite(layer, original, state)
     try:
         module.__class__ = cls

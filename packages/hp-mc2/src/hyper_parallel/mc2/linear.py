@@ -171,7 +171,8 @@ class MC2Linear(nn.Linear, metaclass=_MC2LinearType):
 
 
 def _install(module: nn.Linear, parallel: MC2Parallel | None) -> None:
-    install_forward(module, LAYER, parallel, _make_forward, prefix="MC2", extra_repr=_extra_repr)
+    members = {"extra_repr": _extra_repr}
+    install_forward(module, LAYER, parallel, _make_forward, prefix="MC2", members=members)
 
 
 def _make_forward(original: type) -> Any:
