@@ -25,7 +25,9 @@ device), vs torch's blocking SP pair (all interleaved in one run), with the link
 chosen so that the blocking pair's bytes per step take as long as its compute (its step
 without the link, less gloo's real transfers); ``hidden_fraction = (T_blocking - T_ours) /
 T_link``, ``T_link`` the blocking pair's modeled link seconds per step; the peak memory of one
-step (without the link) beside each.
+step (without the link) beside each. The MLP block's link table also has the fused block
+(``MC2MLPParallel``: one pipeline over up, GELU and down, ``fused_chunks{c}`` and
+``fused_auto``) beside the separate column + row styles, against the same baseline.
 
     python packages/hp-mc2/benchmarks/bench_mc2.py --out bench-results/mc2.json [--quick]
         [--link-only]
@@ -71,6 +73,7 @@ from hyper_parallel.dtensor.benchmarking import (
 from hyper_parallel.mc2 import (
     MC2ColwiseParallel,
     MC2GatedMLPParallel,
+    MC2MLPParallel,
     MC2RowwiseParallel,
     default_chunks,
 )
@@ -461,6 +464,11 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 cases[name] = _mlp_case(base, mesh, c, step)
             ours[f"mc2_mlp_fwd_bwd/link/{name}_vs_torch_tp_sp"] = name
         ours["mc2_mlp_fwd_bwd/link/ours_auto_vs_torch_tp_sp"] = "ours_default"
+        # the fused block (MC2MLPParallel: one pipeline over up, GELU and down), same baseline
+        for c in [*cfg["link_chunks"], None]:
+            name = f"fused_chunks{c}" if c is not None else "fused_auto"
+            cases[name] = _fused_mlp_case(base, mesh, c, step)
+            ours[f"mc2_mlp_fwd_bwd/link/{name}_vs_torch_tp_sp"] = name
         records += _link_records(cases, ours, "torch_tp_sp", cfg, device, **shapes)
     return records
 
@@ -474,6 +482,15 @@ def _mlp_case(base: nn.Module, mesh: Any, chunks: int, step: Any) -> Any:
             "down": MC2RowwiseParallel(1, impl="torch", chunks=chunks),
         },
     )
+    return lambda: step(model)
+
+
+def _fused_mlp_case(base: nn.Module, mesh: Any, chunks: int | None, step: Any) -> Any:
+    style = MC2MLPParallel(
+        up="up", down="down", act=torch.nn.functional.gelu, sequence_dim=1, impl="torch",
+        chunks=chunks,
+    )  # fmt: skip
+    model = parallelize_module(copy.deepcopy(base), mesh, style)
     return lambda: step(model)
 
 

@@ -236,6 +236,10 @@ def test_bitwise_identical_under_the_modeled_link():
         for name, r in res.items():
             assert r["count"] >= 5 and all(r["equal"]), (name, r["equal"])
             assert r["collectives"] >= 4 and r["modeled_s"] >= 4e-3, (name, r)
+        for c in (1, 2, 3, 4):
+            # per chunk: X and dY gathered, Y and dx reduce-scattered; X is kept for backward,
+            # not gathered again
+            assert res[f"chunks={c}"]["collectives"] == 4 * c, res[f"chunks={c}"]
 
 
 def _npu_double() -> dict[str, Any]:
@@ -263,7 +267,7 @@ def test_npu_path_through_kernel_double_equals_torch_backend():
     for res in run_distributed(_npu_double, 2, timeout=TIMEOUT - 20):
         assert len(res["errs"]) == 6 and max(res["errs"]) < 5e-2, res["errs"]
         assert res["calls"] == [
-            ("npu_all_gather_base_mm", (256, 256), False),
+            ("npu_all_gather_base_mm", (256, 256), True),  # X kept for dW_u: no third gather
             ("npu_mm_reduce_scatter_base", (256, 256), None),
             ("npu_all_gather_base_mm", (256, 256), True),
             ("npu_mm_reduce_scatter_base", (256, 256), None),

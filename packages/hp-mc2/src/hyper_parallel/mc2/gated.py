@@ -107,9 +107,11 @@ def _pipelined_forward(
     group: Any,
     ws: int,
     parts: Splits,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """``torch`` backend forward, ``(Y, pre)`` with ``pre = (G, U)`` (``w_in = (W_g, W_u)``,
-    gated) or ``(U,)`` (``w_in = (W_u,)``, plain), one pipeline over the row chunks: chunk j is
+    keep_x: bool = False,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """``torch`` backend forward, ``(Y, pre, X)`` with ``pre = (G, U)`` (``w_in = (W_g, W_u)``,
+    gated) or ``(U,)`` (``w_in = (W_u,)``, plain) and ``X`` ``[ws, m, D]`` the gathered input
+    when ``keep_x`` (else ``None``), one pipeline over the row chunks: chunk j is
     gathered under chunk j-1's input-projection/activation/down matmuls, and chunk j's
     reduce-scatter runs under chunk j+1's (the link carries ``X_{j+1}`` before ``RS_j``). Only
     the first gather and the last reduce-scatter have no matmul to hide under. ``H`` exists one
@@ -119,14 +121,22 @@ def _pipelined_forward(
     first: torch.Tensor | None = gather.next()
     single = len(parts) == 1
     full: list[torch.Tensor] = []
+    big_x: torch.Tensor | None = None
     if not single:  # allocated once the first chunk has arrived (see _chunked)
         full = [x.new_empty(ws, m, fl) for _ in w_in]
+        big_x = x.new_empty(ws, m, x.shape[1]) if keep_x else None
     y = x.new_empty(m, wd.shape[0])
     pending = []
     for off, mj in parts:
         chunk = first if first is not None else gather.next()
         first = None
         pre = [torch.matmul(chunk, w.t()) for w in w_in]  # each [ws, m_j, F/ws]
+        if keep_x:
+            if single:
+                big_x = chunk
+            else:
+                assert big_x is not None
+                big_x[:, off : off + mj] = chunk
         del chunk
         for p, b in zip(pre, b_in):
             if b is not None:
@@ -142,7 +152,7 @@ def _pipelined_forward(
         del partial
     for work, _ in pending:
         work.wait()
-    return y, tuple(f.view(ws * m, fl) for f in full)
+    return y, tuple(f.view(ws * m, fl) for f in full), big_x
 
 
 def _pipelined_backward(
@@ -156,6 +166,7 @@ def _pipelined_backward(
     ws: int,
     parts: Splits,
     need: tuple[bool, ...],
+    saved_x: torch.Tensor | None = None,
 ) -> list[Any]:
     """``torch`` backend backward, ``[dx, *dW_in, dW_d, *db_in, db_d]`` (``None`` where not
     needed; ``need`` in the same order), one pipeline over the row chunks. Chunk j: ``dY_j``
@@ -163,7 +174,8 @@ def _pipelined_backward(
     ``dW_d += dY_jᵀ H_j``, the pre-activation gradients (``dG_j``, ``dU_j``; plain: ``dU_j``),
     ``dx_j = dG_j W_g + dU_j W_u`` (plain: ``dU_j W_u``) is reduce-scattered once ``X_j``
     (gathered again) has arrived, under ``dW += dᵀ X_j`` and the next chunk's work. Only the
-    first ``dY`` chunk has no matmul to hide under. The gated form consumes ``pre``."""
+    first ``dY`` chunk has no matmul to hide under. The gated form consumes ``pre``. Given
+    ``saved_x`` (``[ws, m, D]``, kept by the forward), ``X`` is not gathered again."""
     k = len(w_in)
     need_x, need_w, need_wd = need[0], need[1 : 1 + k], need[1 + k]
     need_b, need_bd = need[2 + k : 2 + 2 * k], need[2 + 2 * k]
@@ -172,7 +184,7 @@ def _pipelined_backward(
     need_act = need_x or any(need_w) or any(need_b)
     gdy = _Gather(dy, group, ws, parts)
     first: torch.Tensor | None = gdy.next()
-    gx = _Gather(x, group, ws, parts) if any(need_w) else None
+    gx = _Gather(x, group, ws, parts) if any(need_w) and saved_x is None else None
     pre3 = [p.view(ws, m, fl) for p in pre]
     dx = dy.new_empty(m, x.shape[1]) if need_x else None
     dw = [dy.new_zeros(w.shape) if n else None for w, n in zip(w_in, need_w)]
@@ -201,6 +213,8 @@ def _pipelined_backward(
             for d, w in zip(dpre[1:], w_in[1:]):
                 partial.baddbmm_(d, w.expand(ws, *w.shape))
         xj = gx.next().view(ws * mj, -1) if gx is not None else None
+        if saved_x is not None and any(need_w):
+            xj = saved_x[:, off : off + mj].reshape(ws * mj, -1)
         if dx is not None and partial is not None:
             pending.append((reduce_scatter_async(dx[off : off + mj], partial, group), partial))
             del partial
@@ -223,9 +237,11 @@ def _npu_backward(
     w_in: tuple[torch.Tensor, ...],
     wd: torch.Tensor,
     need: tuple[bool, ...],
+    saved_x: torch.Tensor | None = None,
 ) -> list[Any]:
     """``npu`` backend backward, the fused kernels one phase at a time; the same result list
-    (and ``need`` order) as :func:`_pipelined_backward`."""
+    (and ``need`` order) as :func:`_pipelined_backward` (``saved_x``: the gathered
+    ``[ws·m, D]`` the forward kept, else ``X`` is gathered again)."""
     k = len(w_in)
     need_x, need_w, need_wd = need[0], need[1 : 1 + k], need[1 + k]
     need_b, need_bd = need[2 + k : 2 + 2 * k], need[2 + 2 * k]
@@ -249,8 +265,10 @@ def _npu_backward(
         del dcat
     dw: list[Any] = [None] * k
     if any(need_w):
-        big_x = x.new_empty(ctx.ws * x.shape[0], x.shape[1])
-        all_gather_async(big_x, x, ctx.group).wait()
+        big_x = saved_x
+        if big_x is None:
+            big_x = x.new_empty(ctx.ws * x.shape[0], x.shape[1])
+            all_gather_async(big_x, x, ctx.group).wait()
         dw = [d.t() @ big_x if n else None for d, n in zip(dpre, need_w)]
     return [dx, *dw, dwd, *db, dbd]
 
@@ -281,15 +299,20 @@ class _MLPBlock(torch.autograd.Function):
         fl = wu.shape[0]
         ctx.group, ctx.ws, ctx.backend, ctx.act = group, ws, backend, act
         ctx.where = "mlp_block" if wg is None else "gated_mlp"
+        # the plain block keeps the gathered X for backward, the gated one gathers it again
+        # (README, "Design", "What backward keeps")
+        keep_x = wg is None
         pre: tuple[torch.Tensor, ...]
+        big_x: torch.Tensor | None = None
         if backend == "npu":
             ops = current_npu_ops()
             hcom = ops.comm_name(group)
             ctx.ops, ctx.hcom = ops, hcom
             w_cat = w_in[0] if len(w_in) == 1 else torch.cat(w_in)
-            pre_cat, _ = ops.npu_all_gather_base_mm(
-                x, w_cat.t(), hcom, ws, bias=None, gather_index=0, gather_output=False
+            pre_cat, gathered = ops.npu_all_gather_base_mm(
+                x, w_cat.t(), hcom, ws, bias=None, gather_index=0, gather_output=keep_x
             )
+            big_x = gathered if keep_x else None
             pre = tuple(pre_cat[:, i * fl : (i + 1) * fl] for i in range(len(w_in)))
             for p, b in zip(pre, b_in):
                 if b is not None:
@@ -299,13 +322,15 @@ class _MLPBlock(torch.autograd.Function):
             del h
         else:
             ctx.splits = splits(x.shape[0], chunks)
-            y, pre = _pipelined_forward(x, w_in, wd, b_in, act, group, ws, ctx.splits)
+            y, pre, big_x = _pipelined_forward(
+                x, w_in, wd, b_in, act, group, ws, ctx.splits, keep_x
+            )
         if bd is not None:
             y.add_(bd)
         ctx.save_for_backward(x, *w_in, wd)
         # Intermediates live on ctx (not save_for_backward) so backward can free them as soon
         # as they are used; a second backward through the same graph is refused.
-        ctx.pre = pre
+        ctx.pre, ctx.big_x = pre, big_x
         return y
 
     @staticmethod
@@ -319,8 +344,8 @@ class _MLPBlock(torch.autograd.Function):
             )
         x, *ws_in, wd = ctx.saved_tensors
         w_in = tuple(ws_in)
-        pre = ctx.pre
-        del ctx.pre
+        pre, big_x = ctx.pre, ctx.big_x
+        del ctx.pre, ctx.big_x
         need = ctx.needs_input_grad[:7]  # x, wg, wu, wd, bg, bu, bd
         plain = len(w_in) == 1
         # in the pipeline's order: x, *w_in, wd, *b_in, bd
@@ -329,10 +354,10 @@ class _MLPBlock(torch.autograd.Function):
         dy = dy.contiguous()
         if ctx.backend != "npu":
             grads = _pipelined_backward(
-                dy, x, pre, w_in, wd, ctx.act, ctx.group, ctx.ws, ctx.splits, need_p
+                dy, x, pre, w_in, wd, ctx.act, ctx.group, ctx.ws, ctx.splits, need_p, big_x
             )
         else:
-            grads = _npu_backward(ctx, dy, x, pre, w_in, wd, need_p)
+            grads = _npu_backward(ctx, dy, x, pre, w_in, wd, need_p, big_x)
         out: list[Any] = [None] * 7
         for i, g in zip(order, grads):
             out[i] = g

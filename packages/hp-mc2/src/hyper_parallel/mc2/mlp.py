@@ -15,10 +15,13 @@ It runs the gated block's pipeline (:mod:`hyper_parallel.mc2.gated`) with one in
 projection instead of two: in forward chunk j of ``X`` is gathered under chunk j-1's
 up/act/down matmuls and chunk j's reduce-scatter runs under chunk j+1's; in backward the
 ``dY`` chunks are gathered ahead and each ``dx`` chunk is reduce-scattered under the ``dW_u``
-matmul and the next chunk's work. Saved for backward: ``U`` only (``act(U)`` is recomputed, one
-per-element pass), and ``X`` is gathered again in backward like the gated block does — the
-same trade (a ``[ws·m, D]`` activation not kept per layer for one more gather that runs under
-the ``dx``/``dW_d`` matmuls), and one code path for both blocks.
+matmul and the next chunk's work. Saved for backward: ``U`` (``act(U)`` is recomputed, one
+per-element pass) and the gathered ``X``, copied chunk by chunk as it arrives. Unlike the gated
+block, the plain one does not gather ``X`` again in backward: its backward has two matmuls
+fewer to hide the link under, and a third gather there (beside ``dY`` and the ``dx``
+reduce-scatter: 3/4 of the blocking pair's link time under 2/3 of its compute) would cap the
+hidden fraction at 0.75 instead of the forward's 0.83 (README, "Under a modeled link"); the
+cost is ``X`` ``[ws·m, D]`` held per layer (with ``F = 4D`` and 2 ranks, half of ``U``).
 """
 
 from __future__ import annotations
