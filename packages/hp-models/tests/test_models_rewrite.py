@@ -35,7 +35,7 @@ def _error(fn: Any) -> tuple[str, str] | None:
     return None
 
 
-def _run() -> dict[str, Any]:
+def _run(tmp: str) -> dict[str, Any]:
     world = init_device_mesh("cpu", (2,), mesh_dim_names=("world",))
     mesh = unflatten(world, "world", (1, 2), ("cp", "tp"))
     local = shard_batch(random_batch(seq=16), mesh)
@@ -51,6 +51,9 @@ def _run() -> dict[str, Any]:
         "name": type(model).__name__,
         "subclass": type(model) is not stock_class and type(model).__mro__[1] is stock_class,
         "instance_forward": "forward" in model.__dict__,
+        # generate and save_pretrained are methods of the rewritten class, not instance
+        # attributes closing over this model (a copy's would act on the original)
+        "instance_methods": sorted({"generate", "save_pretrained"} & set(model.__dict__)),
         "keys": list(model.state_dict()) == stock_keys,
         "twice": _error(lambda: parallelize_model(model, mesh)),
     }
@@ -68,6 +71,18 @@ def _run() -> dict[str, Any]:
         twin.lm_head.weight.mul_(0.5)  # the copy's own weights, not the original's
         res["copy"]["own_weights"] = twin(**local).loss.item() != before
         res["copy"]["original_unchanged"] = model(**local).loss.item() == before
+    res["copy_generate"] = _error(lambda: twin.generate(local["input_ids"]))
+    import os
+
+    import torch.distributed as dist
+
+    folder = os.path.join(tmp, "twin")  # the same path on every rank; rank 0 writes
+    twin.save_pretrained(folder)
+    dist.barrier()
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    res["copy_saved_own_weights"] = torch.equal(saved["lm_head.weight"], twin.lm_head.weight)
     if fsdp_available():
         sharded = parallelize_model(tiny_model("kimi"), mesh, grad_reduction="fsdp")
         # FSDP2 subclasses the rewritten class again; HF strips its "FSDP" prefix on save
@@ -80,8 +95,8 @@ def _run() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_the_model_forward_is_installed_by_the_rewrite():
-    for res in run_distributed(_run, 2, timeout=90):
+def test_the_model_forward_is_installed_by_the_rewrite(tmp_path):
+    for res in run_distributed(_run, 2, str(tmp_path), timeout=90):
         assert res["stock"] == (
             False,
             ("RuntimeError", "sync_gradients needs a model parallelised by parallelize_model"),
@@ -92,6 +107,7 @@ def test_the_model_forward_is_installed_by_the_rewrite():
             "name": "KimiLinearForCausalLM",
             "subclass": True,
             "instance_forward": False,
+            "instance_methods": [],
             "keys": True,
             "twice": ("RuntimeError", "parallelize_model was already applied to this model"),
         }
@@ -100,5 +116,7 @@ def test_the_model_forward_is_installed_by_the_rewrite():
             ("parallelized", "shares_plan", "same_loss", "own_weights", "original_unchanged"),
             True,
         )
+        assert res["copy_generate"][0] == "NotImplementedError", res["copy_generate"]
+        assert res["copy_saved_own_weights"]  # the copy wrote its own (halved) lm_head
         if fsdp_available():
             assert res["fsdp"] == (True, "KimiLinearForCausalLM", "fsdp")

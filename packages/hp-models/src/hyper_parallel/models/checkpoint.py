@@ -27,7 +27,7 @@ from torch import nn
 from hyper_parallel.dtensor import comm
 from hyper_parallel.models.plan import OWNER, plan_of
 
-__all__ = ["install_save_pretrained", "save_pretrained"]
+__all__ = ["save_pretrained", "save_pretrained_member"]
 
 
 def _writer(plan: Any) -> bool:
@@ -89,15 +89,15 @@ def save_pretrained(
         )
 
 
-def install_save_pretrained(model: nn.Module) -> None:
-    """Replace ``model.save_pretrained`` (a Hugging Face ``PreTrainedModel``'s) with
-    :func:`save_pretrained` bound to the model."""
-    original = getattr(model, "save_pretrained", None)
-    if original is None:
-        return
+def save_pretrained_member(original: type) -> Callable[..., None]:
+    """``save_pretrained`` of the parallelised class made from ``original`` (a Hugging Face
+    ``PreTrainedModel`` subclass): :func:`save_pretrained` of the module it is called on,
+    writing through ``original``'s own ``save_pretrained`` (a method of the class, so a deep
+    copy writes its own weights)."""
+    write: Any = getattr(original, "save_pretrained")  # noqa: B009 (a class attribute, by name)
 
-    @functools.wraps(original)
-    def bound(save_directory: Any, **kwargs: Any) -> None:
-        save_pretrained(model, original, save_directory, **kwargs)
+    @functools.wraps(write)
+    def member(self: nn.Module, save_directory: Any, **kwargs: Any) -> None:
+        save_pretrained(self, write.__get__(self), save_directory, **kwargs)
 
-    setattr(model, "save_pretrained", bound)  # noqa: B010 (an instance attribute, by name)
+    return member

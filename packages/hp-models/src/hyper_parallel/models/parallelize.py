@@ -19,6 +19,7 @@ Every rank computes a distinct share of every block: no mixer is run twice acros
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
@@ -29,7 +30,7 @@ from hyper_parallel.dtensor import DeviceMesh, checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized
 from hyper_parallel.kda import PROTOCOLS, parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
-from hyper_parallel.models.checkpoint import install_save_pretrained
+from hyper_parallel.models.checkpoint import save_pretrained_member
 from hyper_parallel.models.families import ModelFamily, family_of, role_of
 from hyper_parallel.models.fsdp import apply_fsdp, check_mp_policy, fsdp_available
 from hyper_parallel.models.loss import parallel_forward, refuse_generate
@@ -230,10 +231,24 @@ def parallelize_model(
     plan = ParallelPlan(fam.name, sm, grad_reduction, roles, has_loss=base is not model)
     # the class keeps its name: Hugging Face derives the saved `architectures` and the loss
     # type from it
-    install_forward(model, LAYER, plan, parallel_forward, prefix="")
-    if hasattr(model, "generate"):  # decoding is not split: refuse before any communication
-        model.generate = refuse_generate  # type: ignore[method-assign,assignment]
-    install_save_pretrained(model)  # a plain HF folder from one rank (gathered)
+    install_forward(model, LAYER, plan, parallel_forward, prefix="", members=_members(type(model)))
     if grad_reduction == "fsdp":
         apply_fsdp(model, base, roles, sm, mp_policy)
     return model
+
+
+def _members(original: type) -> dict[str, Any]:
+    """Methods of the parallelised class besides ``forward``: ``generate`` refuses (decoding is
+    not split; it raises before any communication) and ``save_pretrained`` writes a plain
+    Hugging Face folder from one rank (gathered). Methods, not instance attributes, so a deep
+    copy's act on the copy."""
+    members: dict[str, Any] = {}
+    if hasattr(original, "generate"):
+
+        def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return refuse_generate(*args, **kwargs)
+
+        members["generate"] = functools.wraps(original.generate)(generate)
+    if hasattr(original, "save_pretrained"):
+        members["save_pretrained"] = save_pretrained_member(original)
+    return members
