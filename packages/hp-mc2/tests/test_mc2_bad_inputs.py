@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-import hyper_parallel.mc2.gated_style as gated_style
+import hyper_parallel.mc2._block_style as block_style
 import hyper_parallel.mc2.styles as styles
 from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.recorder import record_events
@@ -355,7 +355,7 @@ def _reject_all(names: list[str]) -> dict:
 
     # every hp-mc2 collective starts through hp-dtensor's comm: the recorder sees each launch;
     # parameters are sharded (a broadcast/scatter) only after every check has passed
-    gated_style.distribute_tensor = counting(gated_style.distribute_tensor)
+    block_style.distribute_tensor = counting(block_style.distribute_tensor)  # both MLP styles
     styles.distribute_tensor = counting(styles.distribute_tensor)
     outcome = {}
     for name in names:

@@ -17,18 +17,24 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyper_parallel.dtensor import check_rank_order
 from hyper_parallel.dtensor.amp import cast_for_autocast
 from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized, parallel_state
+from hyper_parallel.mc2._block_style import (
+    check_input,
+    check_linears,
+    check_style_options,
+    check_tp_mesh,
+    distribute_linears,
+    on_rows,
+    rows_of,
+)
 from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.activation import check_elementwise_activation
-from hyper_parallel.mc2.backend import BACKENDS, dtype_name
 from hyper_parallel.mc2.gated import gated_fields, run_gated_mlp
-from hyper_parallel.mc2.linear import check_sequence_dim
 
 __all__ = ["MC2GatedMLPParallel"]
 
@@ -87,7 +93,7 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     (wg, wu, wd), (bg, bu, bd) = _operands(self, plan)
     if isinstance(x, torch.Tensor):  # under autocast: the dtypes F.linear would compute in
         x, wg, wu, wd, bg, bu, bd = cast_for_autocast(x.device.type, x, wg, wu, wd, bg, bu, bd)
-    seq = check_input(x, wg, plan.sequence_dim)
+    seq = check_input(x, wg, plan.sequence_dim, _NAME)
     act = cast(Any, self.act_fn)
     return on_rows(
         x,
@@ -96,56 +102,6 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
             rows, (wg, wu, wd), (bg, bu, bd), plan.group, act, plan.impl, plan.chunks
         ),
     )
-
-
-def rows_of(x: Any, sequence_dim: int) -> Any:
-    """``x`` ``[..., S_local, ..., D]`` as rows ``[N, D]``, sequence first (for the consistency
-    fields; ``x`` itself where the body will reject it)."""
-    try:
-        rows = x.movedim(sequence_dim, 0)
-        return rows.reshape(-1, rows.shape[-1])
-    except Exception:  # rejected by the body, after the comparison
-        return x
-
-
-def on_rows(x: torch.Tensor, seq: int, run: Any) -> torch.Tensor:
-    """``run`` on ``x``'s rows, sequence first so each rank's tokens are one contiguous block
-    of rows, and its ``[N, D]`` result back in ``x``'s layout."""
-    xs = x.movedim(seq, 0)
-    lead = xs.shape[:-1]
-    y2 = run(xs.reshape(-1, xs.shape[-1]))
-    return y2.view(*lead, y2.shape[-1]).movedim(0, seq)
-
-
-def check_input(x: Any, weight: torch.Tensor, sequence_dim: int, where: str = _NAME) -> int:
-    """Local checks, identical on every rank for same-shaped inputs; the normalised seq dim."""
-    if isinstance(x, DTensor):
-        raise TypeError(
-            f"{where}: the input must be this rank's sequence block as a local tensor "
-            f"[B, S/tp, D], got a DTensor with placements {x.placements}; pass x.to_local() "
-            "(or the local block you would shard it into)"
-        )
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{where}: the input must be a torch.Tensor, got {type(x).__name__}")
-    d = x.dim()
-    if d < 2 or not -d <= sequence_dim < d or sequence_dim % d == d - 1:
-        raise ValueError(
-            f"{where}: sequence_dim={sequence_dim} is out of range for a {d}-D input "
-            f"{tuple(x.shape)} (the last dim holds the features)"
-        )
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"{where}: input has {x.shape[-1]} features but the module's hidden size is "
-            f"{weight.shape[1]}"
-        )
-    if x.dtype != weight.dtype:
-        raise TypeError(
-            f"{where}: input is {dtype_name(x.dtype)} but the weights are "
-            f"{dtype_name(weight.dtype)}; cast the module or the input"
-        )
-    if x.device != weight.device:
-        raise ValueError(f"{where}: input is on {x.device} but the weights are on {weight.device}")
-    return sequence_dim % d
 
 
 class MC2GatedMLPParallel(ParallelStyle):
@@ -186,13 +142,7 @@ class MC2GatedMLPParallel(ParallelStyle):
         for what, name in (("gate", gate), ("up", up), ("down", down)):
             if not isinstance(name, str) or not name:
                 raise TypeError(f"{_NAME}: {what} must be a submodule name, got {name!r}")
-        check_sequence_dim(sequence_dim)
-        if impl not in BACKENDS:
-            raise ValueError(f"{_NAME}: impl must be one of {BACKENDS}, got {impl!r}")
-        if chunks is not None and (
-            not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1
-        ):
-            raise ValueError(f"{_NAME}: chunks must be a positive int or None, got {chunks!r}")
+        check_style_options(_NAME, sequence_dim, impl, chunks)
         self.gate, self.up, self.down = gate, up, down
         self.sequence_dim, self.impl, self.chunks = sequence_dim, impl, chunks
 
@@ -258,41 +208,14 @@ class MC2GatedMLPParallel(ParallelStyle):
             raise ValueError(
                 f"{_NAME}: the intermediate size {f} is not divisible by the tp size {ws}"
             )
-        ref = gate.weight
-        for lname, lin in ((self.gate, gate), (self.up, up), (self.down, down)):
-            for pname in ("weight", "bias"):
-                p = getattr(lin, pname)
-                if p is None:
-                    continue
-                if isinstance(p, DTensor):
-                    raise ValueError(f"{_NAME}: {kind}.{lname}.{pname} is already a DTensor")
-                if p.device != lin.weight.device or p.device != ref.device:
-                    raise ValueError(
-                        f"{_NAME}: {kind}.{lname}.{pname} is on {p.device} but "
-                        f"{self.gate}.weight is on {ref.device}; move the module to one device"
-                    )
-                if p.dtype != ref.dtype:
-                    raise TypeError(
-                        f"{_NAME}: {kind}.{lname}.{pname} is {dtype_name(p.dtype)} but "
-                        f"{self.gate}.weight is {dtype_name(ref.dtype)}"
-                    )
+        lins = [(self.gate, gate), (self.up, up), (self.down, down)]
+        check_linears(_NAME, kind, lins)
 
     @checked_entry(_NAME, lambda self, module, mesh: self._apply_fields(module, mesh))
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
-            what = (
-                f"a {device_mesh.ndim}-D mesh"
-                if isinstance(device_mesh, DeviceMesh)
-                else (type(device_mesh).__name__)
-            )
-            raise ValueError(
-                f"{_NAME} needs a 1-D tensor-parallel mesh (e.g. mesh['tp']), got {what}"
-            )
-        check_rank_order(device_mesh)
+        check_tp_mesh(_NAME, device_mesh)
         self._check_module(module, device_mesh.size())
         gate, up, down = self._linears(module)
-        src = getattr(self, "src_data_rank", 0)
-        kwargs: dict[str, Any] = {} if src == 0 else {"src_data_rank": src}
         layout = (
             (gate, "weight", Shard(0)),
             (gate, "bias", Shard(0)),
@@ -301,12 +224,7 @@ class MC2GatedMLPParallel(ParallelStyle):
             (down, "weight", Shard(1)),
             (down, "bias", Replicate()),
         )
-        for lin, pname, placement in layout:
-            p = getattr(lin, pname)
-            if p is None:
-                continue
-            dp = distribute_tensor(p.detach(), device_mesh, [placement], **kwargs)
-            lin.register_parameter(pname, nn.Parameter(dp, requires_grad=p.requires_grad))
+        distribute_linears(layout, device_mesh, getattr(self, "src_data_rank", 0))
         group = device_mesh.get_group()
         plan = _GatedPlan(
             self.gate, self.up, self.down, self.sequence_dim, self.impl, self.chunks, group,

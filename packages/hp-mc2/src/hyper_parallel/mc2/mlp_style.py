@@ -21,18 +21,23 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyper_parallel.dtensor import check_rank_order
 from hyper_parallel.dtensor.amp import cast_for_autocast
 from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized, parallel_state
+from hyper_parallel.mc2._block_style import (
+    check_input,
+    check_linears,
+    check_style_options,
+    check_tp_mesh,
+    distribute_linears,
+    on_rows,
+    rows_of,
+)
 from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.activation import check_elementwise_activation
-from hyper_parallel.mc2.backend import BACKENDS, dtype_name
-from hyper_parallel.mc2.gated_style import check_input, on_rows, rows_of
-from hyper_parallel.mc2.linear import check_sequence_dim
 from hyper_parallel.mc2.mlp import mlp_fields, run_mlp_block
 
 __all__ = ["MC2MLPParallel"]
@@ -160,13 +165,7 @@ class MC2MLPParallel(ParallelStyle):
             raise TypeError(
                 f"{_NAME}: act must be an attribute name, a callable or None, got {act!r}"
             )
-        check_sequence_dim(sequence_dim)
-        if impl not in BACKENDS:
-            raise ValueError(f"{_NAME}: impl must be one of {BACKENDS}, got {impl!r}")
-        if chunks is not None and (
-            not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1
-        ):
-            raise ValueError(f"{_NAME}: chunks must be a positive int or None, got {chunks!r}")
+        check_style_options(_NAME, sequence_dim, impl, chunks)
         self.up, self.down, self.act = up, down, act
         self.sequence_dim, self.impl, self.chunks = sequence_dim, impl, chunks
 
@@ -258,54 +257,21 @@ class MC2MLPParallel(ParallelStyle):
             raise ValueError(
                 f"{_NAME}: the intermediate size {f} is not divisible by the tp size {ws}"
             )
-        ref = up.weight
-        for lname, lin in ((up_name, up), (down_name, down)):
-            for pname in ("weight", "bias"):
-                p = getattr(lin, pname)
-                if p is None:
-                    continue
-                if isinstance(p, DTensor):
-                    raise ValueError(f"{_NAME}: {kind}.{lname}.{pname} is already a DTensor")
-                if p.device != ref.device:
-                    raise ValueError(
-                        f"{_NAME}: {kind}.{lname}.{pname} is on {p.device} but "
-                        f"{up_name}.weight is on {ref.device}; move the module to one device"
-                    )
-                if p.dtype != ref.dtype:
-                    raise TypeError(
-                        f"{_NAME}: {kind}.{lname}.{pname} is {dtype_name(p.dtype)} but "
-                        f"{up_name}.weight is {dtype_name(ref.dtype)}"
-                    )
+        check_linears(_NAME, kind, [(up_name, up), (down_name, down)])
         return up, down, act_name
 
     @checked_entry(_NAME, lambda self, module, mesh: self._apply_fields(module, mesh))
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
-            what = (
-                f"a {device_mesh.ndim}-D mesh"
-                if isinstance(device_mesh, DeviceMesh)
-                else type(device_mesh).__name__
-            )
-            raise ValueError(
-                f"{_NAME} needs a 1-D tensor-parallel mesh (e.g. mesh['tp']), got {what}"
-            )
-        check_rank_order(device_mesh)
+        check_tp_mesh(_NAME, device_mesh)
         up, down, act = self._check_module(module, device_mesh.size())
         up_name, down_name, _ = self.resolve(module)
-        src = getattr(self, "src_data_rank", 0)
-        kwargs: dict[str, Any] = {} if src == 0 else {"src_data_rank": src}
         layout = (
             (up, "weight", Shard(0)),
             (up, "bias", Shard(0)),
             (down, "weight", Shard(1)),
             (down, "bias", Replicate()),
         )
-        for lin, pname, placement in layout:
-            p = getattr(lin, pname)
-            if p is None:
-                continue
-            dp = distribute_tensor(p.detach(), device_mesh, [placement], **kwargs)
-            lin.register_parameter(pname, nn.Parameter(dp, requires_grad=p.requires_grad))
+        distribute_linears(layout, device_mesh, getattr(self, "src_data_rank", 0))
         plan = _MLPPlan(
             up_name, down_name, act, self.sequence_dim, self.impl, self.chunks,
             device_mesh.get_group(), type(module).__name__,
