@@ -15,6 +15,7 @@ from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.mc2 import (
     MC2ColwiseParallel,
     MC2GatedMLPParallel,
+    MC2MLPParallel,
     MC2Parallel,
     MC2RowwiseParallel,
     all_gather_matmul,
@@ -23,6 +24,8 @@ from hyper_parallel.mc2 import (
     gated_mlp_reference,
     matmul_reduce_scatter,
     matmul_reduce_scatter_reference,
+    mlp_block,
+    mlp_block_reference,
     select_backend,
 )
 
@@ -64,6 +67,8 @@ def _functional() -> dict[str, Any]:
         "all_gather_matmul_reference": _old_and_new(all_gather_matmul_reference, x, w),
         "matmul_reduce_scatter_reference": _old_and_new(matmul_reduce_scatter_reference, x, w),
         "gated_mlp_reference": _old_and_new(gated_mlp_reference, x, gw, uw, dw, act_fn=act),
+        "mlp_block": _old_and_new(mlp_block, x, uw, dw, act_fn=act, chunks=2),
+        "mlp_block_reference": _old_and_new(mlp_block_reference, x, uw, dw, act_fn=act),
     }
 
 
@@ -88,9 +93,10 @@ def test_old_backend_keyword_warns_and_gives_identical_results_in_every_function
         lambda **kw: MC2ColwiseParallel(1, chunks=2, **kw),
         lambda **kw: MC2RowwiseParallel(0, **kw),
         lambda **kw: MC2GatedMLPParallel(sequence_dim=1, **kw),
+        lambda **kw: MC2MLPParallel(sequence_dim=1, **kw),
         lambda **kw: MC2Parallel("row", None, 1, **kw),
     ],
-    ids=["colwise", "rowwise", "gated", "MC2Parallel"],
+    ids=["colwise", "rowwise", "gated", "mlp", "MC2Parallel"],
 )
 def test_styles_and_config_take_impl_and_still_accept_backend(make):
     new = make(impl="torch")

@@ -9,12 +9,14 @@ from hyper_parallel.mc2.blocking import (
     all_gather_matmul_reference,
     gated_mlp_reference,
     matmul_reduce_scatter_reference,
+    mlp_block_reference,
 )
 
 __all__ = [
     "all_gather_matmul_reference",
     "gated_mlp_reference",
     "matmul_reduce_scatter_reference",
+    "mlp_block_reference",
 ]
 
 warnings.warn(
