@@ -366,3 +366,64 @@ def test_rejected_inputs_raise_on_every_rank_before_any_collective():
     assert set(got) == set(expect)
     for name, prefix in expect.items():
         assert got[name] is not None and got[name].startswith(prefix), (name, got[name])
+
+
+SUBSETS = {  # which of (x, W_u, W_d, b_u, b_d) need a gradient
+    "x": (True, False, False, False, False),
+    "weights": (False, True, True, False, False),
+    "down": (False, False, True, False, True),
+    "up_bias": (False, False, False, True, False),
+}
+
+
+def _run_subset(fn: Any, chunks: int, need: tuple[bool, ...]) -> list[Any]:
+    r, ws = rank_and_size()
+    X, Wu, Wd, bu, bd, dY = _full_operands(ws)
+    rows, cols = slice(r * M, (r + 1) * M), slice(r * FL, (r + 1) * FL)
+    ops = (X[rows], Wu[cols], Wd[:, cols], bu[cols], bd)
+    leaves = [o.clone().requires_grad_(n) for o, n in zip(ops, need)]
+    y = fn(*leaves[:3], act_fn=F.silu, up_bias=leaves[3], down_bias=leaves[4], impl="torch",
+           chunks=chunks)  # fmt: skip
+    y.backward(dY[rows])
+    return [y.detach(), *(t.grad for t in leaves)]
+
+
+def _subsets_and_order() -> dict[str, Any]:
+    import hyper_parallel.mc2._chunked as chunked_mod
+    import hyper_parallel.mc2.gated as gated_mod
+
+    res: dict[str, Any] = {}
+    for chunks in (1, 2, 3, 5):
+        for name, need in SUBSETS.items():
+            got = _run_subset(mlp_block, chunks, need)
+            want = _run_subset(mlp_block_reference, None, need)
+            res[f"{name}/chunks={chunks}"] = [
+                (a is None) == (b is None) and (a is None or max_err(a, b) < TOL)
+                for a, b in zip(got, want)
+            ]
+    order: list[str] = []
+    ag, rs = chunked_mod.all_gather_async, gated_mod.reduce_scatter_async
+
+    def rec(kind: str, fn: Any) -> Any:
+        return lambda *a: (order.append(kind), fn(*a))[1]
+
+    chunked_mod.all_gather_async, gated_mod.reduce_scatter_async = rec("ag", ag), rec("rs", rs)
+    try:
+        _run_subset(mlp_block, 3, (True,) * 5)
+    finally:
+        chunked_mod.all_gather_async, gated_mod.reduce_scatter_async = ag, rs
+    res["order"] = order
+    return res
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_every_gradient_subset_equals_twin_and_the_collectives_interleave():
+    for res in run_distributed(_subsets_and_order, 2, timeout=TIMEOUT - 20):
+        order = res.pop("order")
+        for case, ok in res.items():
+            assert len(ok) == 6 and all(ok), (case, ok)
+        # forward: 3 gathers of X, 3 reduce-scatters of Y; backward: 3 of dY, 3 of dx (X kept)
+        assert order.count("ag") == 6 and order.count("rs") == 6, order
+        fwd, bwd = order[:6], order[6:]
+        assert fwd.index("rs") < max(i for i, o in enumerate(fwd) if o == "ag"), fwd
+        assert bwd.index("rs") < max(i for i, o in enumerate(bwd) if o == "ag"), bwd
