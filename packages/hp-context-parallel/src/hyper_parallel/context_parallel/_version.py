@@ -1,1 +1,1 @@
-__version__ = "0.3.4.dev1"
+__version__ = "0.3.4.dev2"
