@@ -1,1 +1,1 @@
-__version__ = "0.3.4.dev4"
+__version__ = "0.3.4.dev5"
