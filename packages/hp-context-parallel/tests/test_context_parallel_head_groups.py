@@ -204,9 +204,11 @@ def test_bad_head_groups_are_rejected_on_every_rank_leaving_the_module_untouched
 
 def test_auto_rule_is_a_function_of_shapes_only():
     big = dict(tokens_per_rank=4096, batch=1, q_head_dim=192, element_size=4, cp_size=2)
-    assert choose_head_groups(8, device_type="cpu", overlap=True, **big).count == 4
-    assert choose_head_groups(6, device_type="cpu", overlap=True, **big).count == 3
-    assert choose_head_groups(5, device_type="cpu", overlap=True, **big).count == 1
+    assert choose_head_groups(8, device_type="cpu", overlap=True, **big).count == 8
+    assert choose_head_groups(16, device_type="cpu", overlap=True, **big).count == 8
+    assert choose_head_groups(12, device_type="cpu", overlap=True, **big).count == 6
+    assert choose_head_groups(5, device_type="cpu", overlap=True, **big).count == 5
+    assert choose_head_groups(11, device_type="cpu", overlap=True, **big).count == 1
     assert choose_head_groups(8, device_type="cpu", overlap=False, **big).count == 1
     one = dict(big, cp_size=1)
     assert choose_head_groups(8, device_type="cpu", overlap=True, **one).count == 1
@@ -215,7 +217,7 @@ def test_auto_rule_is_a_function_of_shapes_only():
     assert choose_head_groups(8, device_type="cpu", overlap=True, **small).count == 2
     # an accelerator's floor is its own: the same shapes pipeline less there
     mid = dict(big, tokens_per_rank=1024)
-    assert choose_head_groups(8, device_type="cpu", overlap=True, **mid).count == 4
+    assert choose_head_groups(8, device_type="cpu", overlap=True, **mid).count == 8
     assert choose_head_groups(8, device_type="npu", overlap=True, **mid).count == 1
     npu = dict(big, tokens_per_rank=AUTO_MIN_GROUP_BYTES_ACCELERATOR // (2 * 2 * 192 * 4))
     assert choose_head_groups(8, device_type="npu", overlap=True, **npu).count == 2

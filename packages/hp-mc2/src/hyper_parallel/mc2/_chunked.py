@@ -37,16 +37,25 @@ def splits(rows: int, chunks: int) -> Splits:
 
 class _Gather:
     """Chunk-by-chunk ``AllGather_m(x)``: :meth:`next` returns chunk j as ``[ws, m_j, k]``
-    after starting chunk j+1, so the gather of j+1 runs under the caller's work on j."""
+    after starting chunk j+1, so the gather of j+1 runs under the caller's work on j.
 
-    def __init__(self, x: torch.Tensor, group: Any, ws: int, parts: Splits) -> None:
-        self.x, self.group, self.ws, self.parts = x, group, ws, parts
+    With ``into`` (a contiguous ``[ws·m, k]``), chunk j is gathered straight into its rows
+    ``ws·off_j … ws·(off_j + m_j) - 1`` (chunk-major: each chunk's ``[ws, m_j, k]`` block is
+    contiguous), so the whole gathered input is kept without a copy."""
+
+    def __init__(
+        self, x: torch.Tensor, group: Any, ws: int, parts: Splits, into: torch.Tensor | None = None
+    ) -> None:
+        self.x, self.group, self.ws, self.parts, self.into = x, group, ws, parts, into
         self.j = 0
         self.pending = self._start(0)
 
     def _start(self, j: int) -> tuple[torch.Tensor, Any]:
         off, mj = self.parts[j]
-        buf = self.x.new_empty(self.ws, mj, self.x.shape[1])
+        if self.into is not None:
+            buf = self.into[self.ws * off : self.ws * (off + mj)].view(self.ws, mj, -1)
+        else:
+            buf = self.x.new_empty(self.ws, mj, self.x.shape[1])
         return buf, all_gather_async(buf.view(self.ws * mj, -1), self.x[off : off + mj], self.group)
 
     def next(self) -> torch.Tensor:

@@ -98,6 +98,37 @@ def _pre_grads(act: Act, pre: tuple[torch.Tensor, ...], dh: torch.Tensor) -> tup
     return torch.autograd.grad(a, u_, dh)
 
 
+def _hidden_for_backward(
+    act: Act, pre: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[Any, ...]]]:
+    """``(H, grads)``: ``H`` as :func:`_hidden` and ``grads(dH)`` as :func:`_pre_grads`, with
+    ``act`` evaluated once for both (the backward needs ``H`` for ``dW_d`` and ``act'`` for the
+    pre-activation gradients). The gated ``grads`` consumes ``U`` and ``dH`` like
+    :func:`_act_grads`; call it at most once."""
+    with torch.enable_grad():
+        p_ = pre[0].detach().requires_grad_()
+        a = act(p_)
+    if len(pre) == 1:
+        return a.detach(), lambda dh: torch.autograd.grad(a, p_, dh)
+    u = pre[1]
+    h = a.detach() * u
+
+    def grads(dh: torch.Tensor) -> tuple[Any, ...]:
+        shared = u.untyped_storage().data_ptr() == pre[0].untyped_storage().data_ptr()
+        gu = u * dh if shared else u.mul_(dh)
+        du = dh.mul_(a.detach())
+        (dg,) = torch.autograd.grad(a, p_, gu)
+        return dg, du
+
+    return h, grads
+
+
+def _chunk_rows(t: torch.Tensor, ws: int, off: int, mj: int) -> torch.Tensor:
+    """Chunk ``(off, mj)`` of a chunk-major ``[ws·m, k]`` buffer, as ``[ws·m_j, k]``: chunk j
+    holds rows ``off … off + m_j - 1`` of every rank, contiguously (ranks in group order)."""
+    return t[ws * off : ws * (off + mj)]
+
+
 def _pipelined_forward(
     x: torch.Tensor,
     w_in: tuple[torch.Tensor, ...],
@@ -117,42 +148,36 @@ def _pipelined_forward(
     the first gather and the last reduce-scatter have no matmul to hide under. ``H`` exists one
     chunk at a time."""
     m, fl = x.shape[0], w_in[0].shape[0]
-    gather = _Gather(x, group, ws, parts)
-    first: torch.Tensor | None = gather.next()
     single = len(parts) == 1
-    full: list[torch.Tensor] = []
     big_x: torch.Tensor | None = None
-    if not single:  # allocated once the first chunk has arrived (see _chunked)
-        full = [x.new_empty(ws, m, fl) for _ in w_in]
-        big_x = x.new_empty(ws, m, x.shape[1]) if keep_x else None
+    if keep_x and not single:  # the chunks are gathered straight into it
+        big_x = x.new_empty(ws * m, x.shape[1])
+    gather = _Gather(x, group, ws, parts, into=big_x)
+    first: torch.Tensor | None = gather.next()
+    # allocated once the first chunk has arrived (see _chunked); chunk-major (_chunk_rows)
+    full = [x.new_empty(ws * m, fl) for _ in w_in]
     y = x.new_empty(m, wd.shape[0])
     pending = []
     for off, mj in parts:
-        chunk = first if first is not None else gather.next()
+        chunk = first if first is not None else gather.next()  # [ws, m_j, D]
         first = None
-        pre = [torch.matmul(chunk, w.t()) for w in w_in]  # each [ws, m_j, F/ws]
-        if keep_x:
-            if single:
-                big_x = chunk
-            else:
-                assert big_x is not None
-                big_x[:, off : off + mj] = chunk
-        del chunk
-        for p, b in zip(pre, b_in):
+        rows = chunk.view(ws * mj, -1)
+        pre = []
+        for f, w, b in zip(full, w_in, b_in):
+            p = torch.mm(rows, w.t(), out=_chunk_rows(f, ws, off, mj))  # [ws·m_j, F/ws]
             if b is not None:
                 p.add_(b)
-        if single:
-            full = pre
-        else:
-            for f, p in zip(full, pre):
-                f[:, off : off + mj] = p
-        partial = torch.matmul(_hidden(act, tuple(pre)), wd.t())  # [ws, m_j, D], summed over ranks
+            pre.append(p)
+        if keep_x and single:
+            big_x = rows
+        del chunk, rows
+        partial = torch.mm(_hidden(act, tuple(pre)), wd.t())  # [ws·m_j, D], summed over ranks
         del pre
         pending.append((reduce_scatter_async(y[off : off + mj], partial, group), partial))
         del partial
     for work, _ in pending:
         work.wait()
-    return y, tuple(f.view(ws * m, fl) for f in full), big_x
+    return y, tuple(full), big_x
 
 
 def _pipelined_backward(
@@ -185,7 +210,6 @@ def _pipelined_backward(
     gdy = _Gather(dy, group, ws, parts)
     first: torch.Tensor | None = gdy.next()
     gx = _Gather(x, group, ws, parts) if any(need_w) and saved_x is None else None
-    pre3 = [p.view(ws, m, fl) for p in pre]
     dx = dy.new_empty(m, x.shape[1]) if need_x else None
     dw = [dy.new_zeros(w.shape) if n else None for w, n in zip(w_in, need_w)]
     dwd = dy.new_zeros(wd.shape) if need_wd else None
@@ -193,35 +217,37 @@ def _pipelined_backward(
     dbd = dy.new_zeros(dm) if need_bd else None
     pending = []
     for off, mj in parts:
-        dyj = first if first is not None else gdy.next()  # [ws, m_j, D]
+        dyj = (first if first is not None else gdy.next()).view(ws * mj, dm)
         first = None
-        prej = tuple(p[:, off : off + mj] for p in pre3)
+        prej = tuple(_chunk_rows(p, ws, off, mj) for p in pre)  # [ws·m_j, F/ws] each
+        h, pre_grads = _hidden_for_backward(act, prej)
         if dwd is not None:
-            dwd.addmm_(dyj.view(ws * mj, dm).t(), _hidden(act, prej).reshape(ws * mj, fl))
+            dwd.addmm_(dyj.t(), h)
+        del h
         if dbd is not None:
-            dbd.add_(dyj.sum(dim=(0, 1)))
+            dbd.add_(dyj.sum(dim=0))
         if not need_act:
             continue
-        dpre = _pre_grads(act, prej, torch.matmul(dyj, wd))
-        del dyj, prej
+        dpre = pre_grads(torch.mm(dyj, wd))
+        del dyj, prej, pre_grads
         for acc, d in zip(db, dpre):
             if acc is not None:
-                acc.add_(d.sum(dim=(0, 1)))
+                acc.add_(d.sum(dim=0))
         partial = None
         if dx is not None:
-            partial = torch.matmul(dpre[0], w_in[0])  # [ws, m_j, D], summed over ranks below
+            partial = torch.mm(dpre[0], w_in[0])  # [ws·m_j, D], summed over ranks below
             for d, w in zip(dpre[1:], w_in[1:]):
-                partial.baddbmm_(d, w.expand(ws, *w.shape))
+                partial.addmm_(d, w)
         xj = gx.next().view(ws * mj, -1) if gx is not None else None
         if saved_x is not None and any(need_w):
-            xj = saved_x[:, off : off + mj].reshape(ws * mj, -1)
+            xj = _chunk_rows(saved_x, ws, off, mj)
         if dx is not None and partial is not None:
             pending.append((reduce_scatter_async(dx[off : off + mj], partial, group), partial))
             del partial
         if xj is not None:
             for acc, d in zip(dw, dpre):
                 if acc is not None:
-                    acc.addmm_(d.reshape(ws * mj, fl).t(), xj)
+                    acc.addmm_(d.t(), xj)
             del xj
         del dpre
     for work, _ in pending:
