@@ -29,6 +29,7 @@ ranks and the device's own backend (NCCL on CUDA, HCCL on NPU). Rank 0 writes th
 from __future__ import annotations
 
 import copy
+import statistics
 from typing import Any
 
 import torch
@@ -211,14 +212,20 @@ def _measure_link(
             group_of[f"{strategy}_overlap_{suffix}"] = int(groups)
         pair = {base: cases[base], **{name: cases[name] for name in group_of}}
         reps = cfg["link_repeats"]
+        for _ in range(2):  # a block's first steps run slow (first touch); keep them out of it
+            cases[base]()
         bandwidth, t_plain, t_compute, nbytes = calibrate_link(cases[base], reps)
         with simulated_link(latency, bandwidth):
             times = interleaved_timing(pair, repeats=reps, warmup=1, device=device)
-        t_link, launches = {}, {}
+        t_link, launches, added = {}, {}, {}
         for name, fn in pair.items():
-            with simulated_link(latency, bandwidth) as stats, record_events() as rec:
-                fn()
+            slept = []
+            for _ in range(3):  # what the link adds to a step: the time its waits slept
+                with simulated_link(latency, bandwidth) as stats, record_events() as rec:
+                    fn()
+                slept.append(max_over_ranks(stats.slept_s))
             t_link[name] = max_over_ranks(stats.modeled_s)
+            added[name] = statistics.median(slept)
             launches[name] = sum(
                 1 for e in rec.events if e.kind == "launch" and e.phase == "forward"
             )
@@ -245,10 +252,15 @@ def _measure_link(
                     link_bytes_per_s=bandwidth,
                     t_link_s=t_link[base],
                     t_link_ours_s=t_link[ours],
+                    link_added_ours_s=added[ours],
+                    link_added_baseline_s=added[base],
                     t_step_blocking_s=t_plain,
                     t_compute_blocking_s=t_compute,
                     link_bytes_per_step=nbytes,
                     hidden_fraction=(times[base] - times[ours]) / t_link[base],
+                    # the calibration's check: 1 when the link took as long as the blocking
+                    # compute in this run too (blocking step under the link = compute + T_link)
+                    link_over_compute=t_link[base] / (times[base] - t_link[base]),
                     repeats=cfg["link_repeats"],
                     tokens=cfg["link_tokens"],
                     hidden=cfg["hidden"],

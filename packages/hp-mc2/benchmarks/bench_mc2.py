@@ -220,16 +220,22 @@ def _link_records(
     """Each of ``ours`` (record name -> case) vs the blocking ``baseline``, interleaved under
     one modeled link whose bytes per step take as long as the baseline's step without it."""
     latency, b = cfg["link_latency"], baseline
+    for _ in range(2):  # a block's first steps run slow (first touch); keep them out of it
+        cases[b]()
     bandwidth, t_plain, t_compute, nbytes = calibrate_link(cases[b], cfg["repeats"])
     run = {b: cases[b], **{a: cases[a] for a in ours.values()}}
     peaks = {case: allocator_peak_bytes(fn, device) for case, fn in run.items()}
     with simulated_link(latency, bandwidth):
         times = interleaved_timing(run, repeats=cfg["repeats"], warmup=1, device=device)
-    t_link = {}
+    t_link, added = {}, {}
     for case, fn in run.items():
-        with simulated_link(latency, bandwidth) as stats:
-            fn()
+        slept = []
+        for _ in range(_RUNS):  # what the link adds to a step: the time its waits slept
+            with simulated_link(latency, bandwidth) as stats:
+                fn()
+            slept.append(max_over_ranks(stats.slept_s))
         t_link[case] = max_over_ranks(stats.modeled_s)
+        added[case] = statistics.median(slept)
     if dist.get_rank() == 0:
         print(
             f"link for {b}: step {t_plain * 1e3:.1f} ms without the link, compute "
@@ -252,10 +258,15 @@ def _link_records(
             peak_mem_baseline=peaks[b],
             t_link_s=t_link[b],
             t_link_ours_s=t_link[a],
+            link_added_ours_s=added[a],
+            link_added_baseline_s=added[b],
             t_step_blocking_s=t_plain,
             t_compute_blocking_s=t_compute,
             link_bytes_per_step=nbytes,
             hidden_fraction=(times[b] - times[a]) / t_link[b],
+            # the calibration's check: 1 when the link took as long as the blocking compute
+            # in this run too (blocking step under the link = its compute + T_link)
+            link_over_compute=t_link[b] / (times[b] - t_link[b]),
             **{"repeats": cfg["repeats"], **extra},
         )
         for name, a in ours.items()
