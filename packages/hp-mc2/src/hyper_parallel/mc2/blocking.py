@@ -148,8 +148,7 @@ def gated_mlp_reference(
     )
     big_x = _AllGatherRows.apply(x, group)
     h = act_fn(F.linear(big_x, gate_weight, gate_bias)) * F.linear(big_x, up_weight, up_bias)
-    y = _ReduceScatterRows.apply(F.linear(h, down_weight), group)
-    return y if down_bias is None else y + _SumGradOverRanks.apply(down_bias, group)
+    return matmul_reduce_scatter_reference(h, down_weight, group, bias=down_bias)
 
 
 @impl_keyword("mlp_block_reference")
@@ -170,6 +169,5 @@ def mlp_block_reference(
     ignored."""
     ws = dist.get_world_size(group)
     validate_mlp_operands(x, up_weight, down_weight, up_bias, down_bias, act_fn, ws, "auto", None)
-    h = act_fn(F.linear(_AllGatherRows.apply(x, group), up_weight, up_bias))
-    y = _ReduceScatterRows.apply(F.linear(h, down_weight), group)
-    return y if down_bias is None else y + _SumGradOverRanks.apply(down_bias, group)
+    h = act_fn(all_gather_matmul_reference(x, up_weight, group, bias=up_bias))
+    return matmul_reduce_scatter_reference(h, down_weight, group, bias=down_bias)

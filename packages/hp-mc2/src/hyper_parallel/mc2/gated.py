@@ -68,55 +68,33 @@ def _gated(act: Act, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return a.mul_(u)
 
 
-def _act_grads(act: Act, g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor) -> tuple[Any, Any]:
-    """``(dG, dU)`` from ``dH``; consumes ``u`` and ``dh`` (overwritten in place)."""
-    with torch.enable_grad():
-        g_ = g.detach().requires_grad_()
-        a = act(g_)
-    # dH ⊙ U, in U's storage unless U shares G's (the npu path's [G | U]): autograd saved G
-    shared = u.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()
-    gu = u * dh if shared else u.mul_(dh)
-    du = dh.mul_(a.detach())  # dH ⊙ act(G), in dH's storage
-    (dg,) = torch.autograd.grad(a, g_, gu)
-    return dg, du
-
-
 def _hidden(act: Act, pre: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """``H`` from the pre-activations: ``act(G) ⊙ U`` (gated, ``pre = (G, U)``) or ``act(U)``
     (plain, ``pre = (U,)``); neither is overwritten."""
     return _gated(act, pre[0], pre[1]) if len(pre) == 2 else act(pre[0])
 
 
-def _pre_grads(act: Act, pre: tuple[torch.Tensor, ...], dh: torch.Tensor) -> tuple[Any, ...]:
-    """``(dG, dU)`` (gated) or ``(dU,) = (act'(U) ⊙ dH,)`` (plain) from ``dH``; the gated form
-    consumes ``U`` and ``dH``, the plain one neither. ``act'`` from autograd on ``act``."""
-    if len(pre) == 2:
-        return _act_grads(act, pre[0], pre[1], dh)
-    with torch.enable_grad():
-        u_ = pre[0].detach().requires_grad_()
-        a = act(u_)
-    return torch.autograd.grad(a, u_, dh)
-
-
-def _hidden_for_backward(
-    act: Act, pre: tuple[torch.Tensor, ...]
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[Any, ...]]]:
-    """``(H, grads)``: ``H`` as :func:`_hidden` and ``grads(dH)`` as :func:`_pre_grads`, with
-    ``act`` evaluated once for both (the backward needs ``H`` for ``dW_d`` and ``act'`` for the
-    pre-activation gradients). The gated ``grads`` consumes ``U`` and ``dH`` like
-    :func:`_act_grads`; call it at most once."""
+def _backward_activation(
+    act: Act, pre: tuple[torch.Tensor, ...], need_h: bool
+) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], tuple[Any, ...]]]:
+    """``(H, grads)`` for backward, with ``act`` evaluated once for both: ``H`` as
+    :func:`_hidden` (the ``dW_d`` operand; ``None`` unless ``need_h``) and ``grads(dH)``, the
+    pre-activation gradients ``(dG, dU)`` (gated) or ``(dU,) = (act'(U) ⊙ dH,)`` (plain),
+    ``act'`` from autograd on ``act``. The gated ``grads`` consumes ``U`` and ``dH``
+    (overwritten in place); call it at most once."""
     with torch.enable_grad():
         p_ = pre[0].detach().requires_grad_()
         a = act(p_)
     if len(pre) == 1:
-        return a.detach(), lambda dh: torch.autograd.grad(a, p_, dh)
+        return (a.detach() if need_h else None), lambda dh: torch.autograd.grad(a, p_, dh)
     u = pre[1]
-    h = a.detach() * u
+    h = a.detach() * u if need_h else None
 
     def grads(dh: torch.Tensor) -> tuple[Any, ...]:
+        # dH ⊙ U, in U's storage unless U shares G's (the npu path's [G | U]): autograd saved G
         shared = u.untyped_storage().data_ptr() == pre[0].untyped_storage().data_ptr()
         gu = u * dh if shared else u.mul_(dh)
-        du = dh.mul_(a.detach())
+        du = dh.mul_(a.detach())  # dH ⊙ act(G), in dH's storage
         (dg,) = torch.autograd.grad(a, p_, gu)
         return dg, du
 
@@ -141,8 +119,9 @@ def _pipelined_forward(
     keep_x: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
     """``torch`` backend forward, ``(Y, pre, X)`` with ``pre = (G, U)`` (``w_in = (W_g, W_u)``,
-    gated) or ``(U,)`` (``w_in = (W_u,)``, plain) and ``X`` ``[ws, m, D]`` the gathered input
-    when ``keep_x`` (else ``None``), one pipeline over the row chunks: chunk j is
+    gated) or ``(U,)`` (``w_in = (W_u,)``, plain), each ``[ws·m, F/ws]``, and ``X``
+    ``[ws·m, D]`` the gathered input when ``keep_x`` (else ``None``), both chunk-major
+    (:func:`_chunk_rows`), one pipeline over the row chunks: chunk j is
     gathered under chunk j-1's input-projection/activation/down matmuls, and chunk j's
     reduce-scatter runs under chunk j+1's (the link carries ``X_{j+1}`` before ``RS_j``). Only
     the first gather and the last reduce-scatter have no matmul to hide under. ``H`` exists one
@@ -200,7 +179,9 @@ def _pipelined_backward(
     ``dx_j = dG_j W_g + dU_j W_u`` (plain: ``dU_j W_u``) is reduce-scattered once ``X_j``
     (gathered again) has arrived, under ``dW += dᵀ X_j`` and the next chunk's work. Only the
     first ``dY`` chunk has no matmul to hide under. The gated form consumes ``pre``. Given
-    ``saved_x`` (``[ws, m, D]``, kept by the forward), ``X`` is not gathered again."""
+    ``saved_x`` (``[ws·m, D]``, kept by the forward), ``X`` is not gathered again. ``pre`` and
+    ``saved_x`` are chunk-major (:func:`_chunk_rows`), as :func:`_pipelined_forward` returns
+    them."""
     k = len(w_in)
     need_x, need_w, need_wd = need[0], need[1 : 1 + k], need[1 + k]
     need_b, need_bd = need[2 + k : 2 + 2 * k], need[2 + 2 * k]
@@ -220,8 +201,8 @@ def _pipelined_backward(
         dyj = (first if first is not None else gdy.next()).view(ws * mj, dm)
         first = None
         prej = tuple(_chunk_rows(p, ws, off, mj) for p in pre)  # [ws·m_j, F/ws] each
-        h, pre_grads = _hidden_for_backward(act, prej)
-        if dwd is not None:
+        h, pre_grads = _backward_activation(act, prej, dwd is not None)
+        if dwd is not None and h is not None:
             dwd.addmm_(dyj.t(), h)
         del h
         if dbd is not None:
@@ -271,15 +252,16 @@ def _npu_backward(
     k = len(w_in)
     need_x, need_w, need_wd = need[0], need[1 : 1 + k], need[1 + k]
     need_b, need_bd = need[2 + k : 2 + 2 * k], need[2 + 2 * k]
-    h = _hidden(ctx.act, pre)  # recomputed: one per-element pass instead of a saved [ws·m, F/ws]
+    # H recomputed: one per-element pass instead of a saved [ws·m, F/ws]
+    h, pre_grads = _backward_activation(ctx.act, pre, need_wd)
     dh, dy_full = ctx.ops.npu_all_gather_base_mm(
         dy, wd, ctx.hcom, ctx.ws, bias=None, gather_index=0, gather_output=True
     )
-    dwd = dy_full.t() @ h if need_wd else None
+    dwd = dy_full.t() @ h if h is not None else None
     dbd = dy_full.sum(0) if need_bd else None
     del dy_full, h
-    dpre = _pre_grads(ctx.act, pre, dh)
-    del pre, dh
+    dpre = pre_grads(dh)
+    del pre, dh, pre_grads
     db = [d.sum(0) if n else None for d, n in zip(dpre, need_b)]
     dx = None
     if need_x:
