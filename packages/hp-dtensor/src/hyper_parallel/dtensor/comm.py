@@ -13,6 +13,8 @@ Notation: P ranks in a 1-D group, this rank's index ``rank``.
 - ``start_*`` -> :class:`Work`: :func:`start_all_gather` (``[.., n, ..] -> [.., P·n, ..]``),
   :func:`start_reduce_scatter` (the sum, this rank's block), :func:`start_all_to_all`
   (chunk j of ``split_dim`` to rank j, received chunks concatenated along ``cat_dim``),
+  :func:`start_all_to_all_v` (uneven rows: ``send_splits[j]`` leading rows to rank j,
+  ``recv_splits[j]`` from rank j; every rank joins even with nothing to send or receive),
   :func:`start_all_reduce` (in place, sum), :func:`start_broadcast` (from a group rank, in
   place), :func:`start_send` / :func:`start_recv` (to / from a group rank, with a tag). A
   group of one rank, or an empty tensor, communicates nothing and returns a finished ``Work``.
@@ -20,7 +22,8 @@ Notation: P ranks in a 1-D group, this rank's index ``rank``.
   ``Work`` is listed by :func:`pending_collectives` until waited, tagged with its ``owner``
   (a layer's name), so a layer can detect collectives it leaked (:func:`raise_if_pending`).
 - :func:`link_bytes` (the byte rule): the bytes this rank moves over its link —
-  ``(P−1)/P`` of the gathered, scattered or exchanged buffer, ``2(P−1)/P`` of an all-reduced
+  ``(P−1)/P`` of the gathered, scattered or exchanged buffer (an uneven all-to-all: the rows
+  it sends to other ranks, :func:`all_to_all_v_bytes`), ``2(P−1)/P`` of an all-reduced
   one, the whole tensor of a send or receive; 0 for one rank.
 - Profiler: while a ``torch.profiler`` (or ``torch.autograd.profiler``) session records, each
   launch and each wait is a ``record_function`` range named ``hp.comm.launch <name>`` /
@@ -46,6 +49,7 @@ from hyper_parallel.dtensor.mesh import check_rank_order
 __all__ = [
     "Group",
     "Work",
+    "all_to_all_v_bytes",
     "leak_message",
     "leaked_by",
     "link_bytes",
@@ -55,6 +59,7 @@ __all__ = [
     "start_all_gather",
     "start_all_reduce",
     "start_all_to_all",
+    "start_all_to_all_v",
     "start_broadcast",
     "start_recv",
     "start_reduce_scatter",
@@ -82,6 +87,14 @@ def link_bytes(op: str, buffer_bytes: int, size: int) -> int:
     if op in ("send", "recv", "broadcast"):
         return buffer_bytes
     raise ValueError(f"link_bytes: unknown collective {op!r}")
+
+
+def all_to_all_v_bytes(row_bytes: int, send_splits: list[int] | tuple[int, ...], rank: int) -> int:
+    """Bytes an uneven all-to-all moves over this rank's link: the rows it sends to the other
+    ranks (``send_splits[j]`` rows of ``row_bytes`` bytes to rank j; its own rows stay)."""
+    if len(send_splits) <= 1:
+        return 0
+    return row_bytes * (sum(send_splits) - send_splits[rank])
 
 
 def _nbytes(t: Tensor) -> int:
@@ -241,6 +254,46 @@ def start_all_to_all(
     # recv[j] is rank j's block of my split chunk: concatenating along cat_dim restores order
     nbytes = link_bytes("all_to_all", _nbytes(recv), g.size)
     return Work(work, lambda: torch.cat(recv.unbind(0), dim=cat_dim), name, phase, nbytes, owner)
+
+
+def start_all_to_all_v(
+    x: Tensor,
+    send_splits: list[int] | tuple[int, ...],
+    recv_splits: list[int] | tuple[int, ...],
+    g: Group,
+    name: str,
+    phase: str,
+    owner: str,
+) -> Work:
+    """Uneven all-to-all of rows: ``x [sum(send_splits), ...]``, its first ``send_splits[0]``
+    rows to group rank 0, the next ``send_splits[1]`` to rank 1, ...; the result
+    ``[sum(recv_splits), ...]`` holds the rows of rank 0, then rank 1, ... (``recv_splits[j]``
+    from rank j). The splits are host ints that must mirror each other over the group (rank
+    i's ``send_splits[j]`` is rank j's ``recv_splits[i]``). Every rank joins the collective even
+    when it sends and receives nothing: whether to skip an exchange must be decided from what
+    every rank knows (e.g. all counts zero), never from this rank's rows alone."""
+    if len(send_splits) != g.size or len(recv_splits) != g.size:
+        raise ValueError(
+            f"start_all_to_all_v: {len(send_splits)} send and {len(recv_splits)} receive splits "
+            f"for a group of {g.size}"
+        )
+    if x.shape[0] != sum(send_splits):
+        raise ValueError(f"start_all_to_all_v: {x.shape[0]} rows, splits sum to {sum(send_splits)}")
+    if g.size == 1:
+        return _done(x, name, phase, owner)
+    send = x.contiguous()
+    recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+    send_l, recv_l = [int(n) for n in send_splits], [int(n) for n in recv_splits]
+    work = _start(
+        lambda: dist.all_to_all_single(
+            recv, send, recv_l, send_l, group=g.pg, async_op=True
+        ),
+        name,
+    )
+    row = send[0].numel() * send.element_size() if send.dim() else send.element_size()
+    nbytes = all_to_all_v_bytes(row, send_l, g.rank)
+    # the finisher keeps the send buffer alive until the collective is waited
+    return Work(work, lambda kept=send: recv, name, phase, nbytes, owner)  # type: ignore[misc]
 
 
 def start_all_gather(

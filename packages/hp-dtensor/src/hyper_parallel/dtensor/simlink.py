@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from hyper_parallel.dtensor.comm import link_bytes
+from hyper_parallel.dtensor.comm import all_to_all_v_bytes, link_bytes
 
 __all__ = ["LinkStats", "simulated_link"]
 
@@ -119,8 +119,14 @@ def _scatter_bytes(a: tuple[Any, ...], k: dict[str, Any]) -> int:
 
 
 def _a2a_bytes(a: tuple[Any, ...], k: dict[str, Any]) -> int:
-    p = _size(k.get("group", a[4] if len(a) > 4 else None))
-    return link_bytes("all_to_all", _nbytes(_arg(a, k, 1, "input")), p)
+    group = k.get("group", a[4] if len(a) > 4 else None)
+    p = _size(group)
+    inp, splits = _arg(a, k, 1, "input"), _arg(a, k, 3, "input_split_sizes")
+    if splits and p > 1:  # uneven: the rows this rank sends to the others
+        rows = inp.shape[0] if inp.dim() else 1
+        row = _nbytes(inp) // rows if rows else 0
+        return all_to_all_v_bytes(row, [int(n) for n in splits], dist.get_rank(group))
+    return link_bytes("all_to_all", _nbytes(inp), p)
 
 
 def _list_gather_bytes(a: tuple[Any, ...], k: dict[str, Any]) -> int:
