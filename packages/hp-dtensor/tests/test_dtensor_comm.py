@@ -106,9 +106,100 @@ def rank_comm() -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [4])  # 4: also the 2-D mesh the resolver rejects
-def test_every_start_equals_torchs_collective_and_is_recorded_once(world):
-    for rank, r in enumerate(run_distributed(rank_comm, world, timeout=TIMEOUT)):
+# ---- start_all_to_all_v: uneven rows ---------------------------------------------------------
+ROW = (2, 3)  # the shape of one row
+ROW_BYTES = 2 * 3 * 4  # float32
+# SPLITS[P][i][j]: rows group rank i sends to group rank j. 4 ranks: rank 0 sends nothing,
+# rank 2 receives nothing, ranks 1 and 3 keep rows of their own. 2 ranks, two pairs of the
+# 4-rank world: in pair (0, 1) rank 1 sends nothing and rank 0 receives nothing.
+SPLITS = {
+    4: [[0, 0, 0, 0], [2, 1, 0, 3], [1, 0, 0, 2], [3, 2, 0, 1]],
+    2: [[0, 3], [0, 0]],
+    "2b": [[2, 1], [4, 0]],
+}
+
+
+def _rows(src: int, dst: int, n: int) -> torch.Tensor:
+    """The ``n`` rows group rank ``src`` sends to ``dst``: every row names its route."""
+    i = torch.arange(n, dtype=torch.float32)
+    base = torch.arange(6, dtype=torch.float32).view(ROW)
+    return 1000 * src + 100 * dst + 10 * i[:, None, None] + base
+
+
+def _expected(splits: list[list[int]], rank: int) -> torch.Tensor:
+    return torch.cat([_rows(j, rank, row[rank]) for j, row in enumerate(splits)])
+
+
+def _a2av_case(splits: list[list[int]], g: comm.Group) -> dict:
+    """One uneven all-to-all on ``g``: its result, its Work's bytes and the recorded bytes."""
+    me, p = g.rank, g.size
+    send = splits[me]
+    recv = [splits[j][me] for j in range(p)]
+    x = torch.cat([_rows(me, j, n) for j, n in enumerate(send)])
+    with record_events() as rec:
+        work = comm.start_all_to_all_v(x, send, recv, g, "a2av:t", "forward", "test")
+        out = work.wait()
+    return {
+        "same": torch.equal(out, _expected(splits, me)),
+        "shape": tuple(out.shape),
+        "nbytes": work.nbytes,
+        "recorded": [e.nbytes for e in rec.events if e.kind == "launch"],
+    }
+
+
+def rank_a2av() -> dict:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    g = comm.resolve_group(init_device_mesh("cpu", (p,), mesh_dim_names=("x",)))
+    out: dict = {4: _a2av_case(SPLITS[4], g)}
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = comm.resolve_group(pairs[rank // 2])
+    out[2 if rank < 2 else "2b"] = _a2av_case(SPLITS[2 if rank < 2 else "2b"], pair)
+    # the modeled link counts an uneven all_to_all_single by its input splits, and counts
+    # what the recorder does for start_all_to_all_v
+    send = SPLITS[4][rank]
+    recv = [SPLITS[4][j][rank] for j in range(p)]
+    x = torch.ones(sum(send), *ROW)
+    with simulated_link(0.0, 1e12) as stats:
+        dist.all_to_all_single(torch.empty(sum(recv), *ROW), x, recv, send)
+    plain = stats.bytes
+    with simulated_link(0.0, 1e12) as stats, record_events() as rec:
+        comm.start_all_to_all_v(x, send, recv, g, "a2av:link", "forward", "test").wait()
+    out["link"] = (plain, stats.bytes, rec.bytes_received())
+    # wrong split lengths or row counts raise before any communication, on the raising rank
+    errors = {}
+    for name, args in {
+        "send splits": (x, send[:-1], recv),
+        "recv splits": (x, send, recv + [0]),
+        "rows": (torch.ones(sum(send) + 1, *ROW), send, recv),
+    }.items():
+        try:
+            comm.start_all_to_all_v(*args, g, "a2av:bad", "forward", "test")
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    out["pending"] = comm.pending_collectives()
+    # one rank: nothing is exchanged, the rows come back
+    solo = comm.resolve_group([dist.new_group([i]) for i in range(p)][rank])
+    y = torch.randn(3, *ROW)
+    w = comm.start_all_to_all_v(y, [3], [3], solo, "a2av:solo", "forward", "test")
+    out["solo"] = (torch.equal(w.wait(), y), w.nbytes)
+    return out
+
+
+def _rank_all() -> dict:
+    return {"comm": rank_comm(), "a2av": rank_a2av()}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    """Every 4-rank check's results, by rank (one spawn for the module)."""
+    return run_distributed(_rank_all, 4, timeout=TIMEOUT)
+
+
+def test_every_start_equals_torchs_collective_and_is_recorded_once(four_ranks):
+    world = 4  # 4: also the 2-D mesh the resolver rejects
+    for rank, r in enumerate(rank["comm"] for rank in four_ranks):
         assert r["same"] == {"ag": True, "rs": True, "a2a": True, "ar": True}
         assert r["recv_ok"]
         assert r["group"] == (
@@ -139,6 +230,55 @@ def test_every_start_equals_torchs_collective_and_is_recorded_once(world):
         if world == 4:
             assert r["errors"]["2-D"].startswith("ValueError: the test needs a 1-D mesh")
         assert r["errors"]["object"].startswith("TypeError: expected a 1-D DeviceMesh")
+
+
+@pytest.mark.parametrize("p", [4, 2, "2b"])
+def test_all_to_all_v_delivers_uneven_rows_and_records_the_rows_sent_to_others(p, four_ranks):
+    splits = SPLITS[p]
+    size = len(splits)
+    ranks = range(4) if p == 4 else (range(2) if p == 2 else range(2, 4))
+    for group_rank, rank in enumerate(ranks):
+        r = four_ranks[rank]["a2av"][p]
+        assert r["same"], (p, rank)
+        recv_rows = sum(splits[j][group_rank] for j in range(size))
+        assert r["shape"] == (recv_rows, *ROW)
+        send = splits[group_rank]
+        to_others = sum(send) - send[group_rank]
+        assert (
+            r["nbytes"]
+            == to_others * ROW_BYTES
+            == comm.all_to_all_v_bytes(ROW_BYTES, send, group_rank)
+        )
+        assert r["recorded"] == [r["nbytes"]]
+    # the edge ranks are really there: one sends nothing, one receives nothing
+    assert four_ranks[0]["a2av"][4]["nbytes"] == 0 and four_ranks[2]["a2av"][4]["shape"][0] == 0
+
+
+def test_the_modeled_link_counts_an_uneven_all_to_all_by_its_splits(four_ranks):
+    for rank, r in enumerate(rank["a2av"] for rank in four_ranks):
+        send = SPLITS[4][rank]
+        assert r["link"] == ((sum(send) - send[rank]) * ROW_BYTES,) * 3, rank
+    # not the even rule (3/4 of the input): rank 1 holds 6 rows and 5 of them leave it
+    even = comm.link_bytes("all_to_all", 6 * ROW_BYTES, 4)
+    assert four_ranks[1]["a2av"]["link"][0] == 5 * ROW_BYTES != even
+
+
+def test_all_to_all_v_rejects_wrong_split_lengths_and_row_counts(four_ranks):
+    for rank, r in enumerate(rank["a2av"] for rank in four_ranks):
+        rows = sum(SPLITS[4][rank])
+        assert r["errors"] == {
+            "send splits": "start_all_to_all_v: 3 send and 4 receive splits for a group of 4",
+            "recv splits": "start_all_to_all_v: 4 send and 5 receive splits for a group of 4",
+            "rows": f"start_all_to_all_v: {rows + 1} rows, splits sum to {rows}",
+        }
+        assert r["pending"] == []
+        assert r["solo"] == (True, 0)
+
+
+def test_all_to_all_v_bytes_counts_only_rows_leaving_the_rank():
+    assert comm.all_to_all_v_bytes(24, [2, 1, 0, 3], 1) == 24 * 5
+    assert comm.all_to_all_v_bytes(24, [0, 0, 0, 0], 0) == 0
+    assert comm.all_to_all_v_bytes(24, [7], 0) == 0  # one rank: nothing leaves
 
 
 def test_the_byte_rule():

@@ -33,6 +33,7 @@ Notation: P ranks in a 1-D group, this rank's index ``rank``.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -285,12 +286,10 @@ def start_all_to_all_v(
     recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
     send_l, recv_l = [int(n) for n in send_splits], [int(n) for n in recv_splits]
     work = _start(
-        lambda: dist.all_to_all_single(
-            recv, send, recv_l, send_l, group=g.pg, async_op=True
-        ),
+        lambda: dist.all_to_all_single(recv, send, recv_l, send_l, group=g.pg, async_op=True),
         name,
     )
-    row = send[0].numel() * send.element_size() if send.dim() else send.element_size()
+    row = math.prod(send.shape[1:]) * send.element_size()  # also with no rows to send
     nbytes = all_to_all_v_bytes(row, send_l, g.rank)
     # the finisher keeps the send buffer alive until the collective is waited
     return Work(work, lambda kept=send: recv, name, phase, nbytes, owner)  # type: ignore[misc]
