@@ -11,18 +11,20 @@ in each direction: callers go through its typed methods (``start``/``finish`` in
 ``start_grad``/``finish_grad`` in backward, ``run``/``run_grad`` for both at once), which
 refuse a second start before a finish and a finish without a start.
 
-An overlapped exchange is two autograd nodes: :func:`launch` starts it in forward and, in
-backward, finishes the gradient's collective; :func:`wait` finishes it in forward and, in
-backward, starts the gradient's collective. Whatever autograd runs between the two nodes
-overlaps the communication. :func:`blocking` is the same exchange as one node.
+An overlapped exchange is two autograd nodes, hp-dtensor's overlapped-exchange node pair
+(:mod:`hyper_parallel.dtensor.overlap`, which drives an :class:`Exchange` through its four
+methods): :func:`launch` starts it in forward and, in backward, finishes the gradient's
+collective; :func:`wait` finishes it in forward and, in backward, starts the gradient's
+collective. Whatever autograd runs between the two nodes overlaps the communication.
+:func:`blocking` is the same exchange as one node. The three functions here only keep this
+package's argument order (tensor first).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from torch import Tensor
-from torch.autograd import Function
 
 from hyper_parallel.context_parallel.transport import (
     Group,
@@ -31,6 +33,7 @@ from hyper_parallel.context_parallel.transport import (
     start_all_to_all,
     start_reduce_scatter,
 )
+from hyper_parallel.dtensor import overlap
 
 __all__ = ["Exchange", "ExchangeKind", "blocking", "launch", "wait"]
 
@@ -111,52 +114,19 @@ def _grad_name(name: str) -> str:
     return f"{inverse}:d{label}" if label else f"{inverse}:grad"
 
 
-class _Launch(Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, ex: Exchange) -> Tensor:  # type: ignore[override]
-        ex.start(x)
-        ctx.ex = ex
-        return x.new_empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, _token_grad: Tensor) -> Any:  # type: ignore[override]
-        return ctx.ex.finish_grad(), None
-
-
-class _Wait(Function):
-    @staticmethod
-    def forward(ctx: Any, token: Tensor, ex: Exchange) -> Tensor:  # type: ignore[override]
-        ctx.ex = ex
-        return ex.finish()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
-        ctx.ex.start_grad(grad)
-        return grad.new_empty(0), None
-
-
-class _Blocking(Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, ex: Exchange) -> Tensor:  # type: ignore[override]
-        ctx.ex = ex
-        return ex.run(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
-        return ctx.ex.run_grad(grad), None
-
-
 def launch(x: Tensor, ex: Exchange) -> Tensor:
     """Start ``ex`` on ``x``; returns an empty token that :func:`wait` consumes (the token
-    orders the two nodes in the autograd graph)."""
-    return _Launch.apply(x, ex)
+    orders the two nodes in the autograd graph). hp-dtensor's ``overlap.launch``."""
+    return overlap.launch(ex, x)
 
 
 def wait(token: Tensor, ex: Exchange) -> Tensor:
-    """Finish ``ex`` (started by :func:`launch`); the differentiable result."""
-    return _Wait.apply(token, ex)
+    """Finish ``ex`` (started by :func:`launch`); the differentiable result. hp-dtensor's
+    ``overlap.wait``."""
+    return overlap.wait(ex, token)
 
 
 def blocking(x: Tensor, ex: Exchange) -> Tensor:
-    """``ex`` started and finished at once, in forward and in backward."""
-    return _Blocking.apply(x, ex)
+    """``ex`` started and finished at once, in forward and in backward. hp-dtensor's
+    ``overlap.blocking``."""
+    return overlap.blocking(ex, x)
