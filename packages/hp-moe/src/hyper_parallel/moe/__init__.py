@@ -1,0 +1,47 @@
+"""hyper_parallel.moe: expert parallelism for the stock Hugging Face MoE experts.
+
+:func:`parallelize_experts` splits the experts of a ``DeepseekV3Experts``-form module
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) over a 1-D ep mesh; each rank then calls
+the module on its own tokens and gets what the stock module with every expert gives, forward and
+every gradient. Dispatch and combine are all-to-alls with split sizes (hp-dtensor's ``comm``),
+chunked so that they run under the expert GEMMs (:mod:`hyper_parallel.moe.schedule`); the local
+expert work is one backend class per device (:mod:`hyper_parallel.moe.local`).
+"""
+
+from hyper_parallel.moe._version import __version__
+from hyper_parallel.moe.form import FORM, ExpertsShape, experts_shape
+from hyper_parallel.moe.local import IMPLS, LocalExperts, select_impl
+from hyper_parallel.moe.parallelize import (
+    expert_counts,
+    experts_info,
+    is_experts_parallel,
+    parallelize_experts,
+    unparallelize_experts,
+)
+from hyper_parallel.moe.schedule import (
+    AUTO_MAX_CHUNKS,
+    ForwardStats,
+    choose_chunks,
+    experts_parallel_blocking,
+    experts_parallel_forward,
+)
+
+__all__ = [
+    "AUTO_MAX_CHUNKS",
+    "FORM",
+    "IMPLS",
+    "ExpertsShape",
+    "ForwardStats",
+    "LocalExperts",
+    "__version__",
+    "choose_chunks",
+    "expert_counts",
+    "experts_info",
+    "experts_parallel_blocking",
+    "experts_parallel_forward",
+    "experts_shape",
+    "is_experts_parallel",
+    "parallelize_experts",
+    "select_impl",
+    "unparallelize_experts",
+]
