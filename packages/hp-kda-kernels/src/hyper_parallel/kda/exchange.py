@@ -102,9 +102,9 @@ class StateExchange:
         self.position = ranks.index(dist.get_rank())
         self.kernel = kernel  # the merge/scan fold kernel ("auto", "torch", "triton")
         self.group_size: int | None = None
-        # the group in block order, for hp-dtensor's comm (group ranks = positions here)
-        device_type = str(getattr(mesh, "device_type", "cpu"))
-        self.comm_group = comm.Group(group, self.world_size, self.position, ranks, device_type)
+        # the group for hp-dtensor's comm (the mesh's rank order is its group's, checked by
+        # build_state_exchange: group ranks = positions here)
+        self.comm_group = comm.resolve_group(mesh, "the KDA state exchange")
 
     @checked_entry("StateExchange.forward", _exchange_fields)
     def forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:

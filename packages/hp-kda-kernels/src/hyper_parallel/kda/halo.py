@@ -19,7 +19,9 @@ the first rank (forward) or the last rank (backward), so the chain cannot deadlo
 :func:`start_causal_conv_halo` launches the exchange and returns a :class:`PendingHalo`;
 ``wait()`` returns the halo. Work placed between the two (e.g. a layer's gate projections)
 overlaps the transfer, in the backward pass too: the gradient exchange is launched by the
-``wait`` node's backward and completed by the launch node's backward.
+``wait`` node's backward and completed by the launch node's backward. The two nodes are
+hp-dtensor's overlapped-exchange node pair (:mod:`hyper_parallel.dtensor.overlap`) driving the
+:class:`PendingHalo`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from hyper_parallel.dtensor import comm
+from hyper_parallel.dtensor import comm, overlap
 from hyper_parallel.dtensor.consistency import checked_entry
 
 __all__ = ["PendingHalo", "causal_conv_halo", "start_causal_conv_halo"]
@@ -58,6 +60,8 @@ def _route(mesh_or_group: Any) -> tuple[comm.Group, int | None, int | None, str 
             f"got {type(mesh_or_group).__name__}"
         )
     me = ranks.index(dist.get_rank())
+    # By hand, not comm.resolve_group: a mesh's block order may differ from its group's rank
+    # order here (resolve_group rejects such a mesh), and the errors name the halo.
     g = comm.Group(group, len(ranks), me, tuple(ranks), device_type)  # indices in block order
     return g, g.prev, g.next, device_type
 
@@ -82,7 +86,9 @@ class PendingHalo:
     """A halo exchange in flight; :meth:`wait` returns the halo (differentiable).
 
     Owns every piece of the exchange's state: the communication handles and buffers of both
-    directions, written and read only by its own methods.
+    directions, written and read only by its own methods. ``start`` / ``finish`` /
+    ``start_grad`` / ``finish_grad`` are what hp-dtensor's overlap node pair calls (the
+    launch node in the constructor, the wait node in :meth:`wait`); callers use :meth:`wait`.
     """
 
     def __init__(
@@ -101,16 +107,40 @@ class PendingHalo:
         self._works: list[Any] = []
         self._keep: list[torch.Tensor] = []  # buffers of sends in flight
         self._recv_grad: torch.Tensor | None = None
+        self._buf: torch.Tensor | None = None  # the receive buffer, from start to finish
+        self._waited = False
+        self._token: torch.Tensor | None = None  # the launch node's token
+        self._zeros: torch.Tensor | None = None  # the halo when nothing is exchanged
         T, n = x.shape[seq_dim], self._n
         if n == 0 or (prev is None and nxt is None):  # nothing to exchange
             self._group, self._prev, self._next = group, None, None
             shape = list(x.shape)
             shape[seq_dim] = n
-            self._halo: torch.Tensor | None = x.new_zeros(shape).movedim(seq_dim, 0)
+            self._zeros = x.new_zeros(shape)
             return
         self._group, self._prev, self._next = group, prev, nxt
         tail = x.narrow(seq_dim, T - min(T, n), min(T, n)).movedim(seq_dim, 0)
-        self._halo = _Launch.apply(tail, self)
+        self._token = overlap.launch(self, tail)
+
+    # ---- the exchange the overlap node pair drives ------------------------------------------
+    def start(self, tail: torch.Tensor) -> None:
+        """Forward launch (the launch node): ``tail`` is the block's last rows."""
+        self._buf = self._launch(tail.detach())
+
+    def finish(self) -> torch.Tensor:
+        """Forward completion (the wait node): the received rows ``[W−1, *rest]``."""
+        self._finish()
+        buf, self._buf = self._buf, None
+        assert buf is not None
+        return buf
+
+    def start_grad(self, grad: torch.Tensor) -> None:
+        """Backward launch (the wait node's backward): ``grad`` is the halo's gradient."""
+        self._launch_backward(grad)
+
+    def finish_grad(self) -> torch.Tensor:
+        """Backward completion (the launch node's backward): the gradient of ``tail``."""
+        return self._finish_backward()
 
     # ---- forward ----------------------------------------------------------------------------
     def _launch(self, tail: torch.Tensor) -> torch.Tensor:
@@ -186,34 +216,15 @@ class PendingHalo:
     def wait(self) -> torch.Tensor:
         """Complete the exchange; returns the halo: ``x``'s shape with ``W − 1`` rows along
         ``seq_dim`` (zeros on the first rank). Call once."""
-        if self._halo is None:
+        if self._waited:
             raise RuntimeError("PendingHalo.wait() was already called")
-        buf, self._halo = self._halo, None
-        return _Wait.apply(buf, self).movedim(0, self._seq_dim)
-
-
-class _Launch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tail: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
-        ctx.pending = pending
-        return pending._launch(tail.detach())
-
-    @staticmethod
-    def backward(ctx: Any, _unused: torch.Tensor) -> tuple[Any, ...]:
-        return ctx.pending._finish_backward(), None
-
-
-class _Wait(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, buf: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
-        ctx.pending = pending
-        pending._finish()
-        return buf.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        ctx.pending._launch_backward(grad)
-        return grad, None  # only orders the launch node's backward after this one
+        self._waited = True
+        if self._token is None:
+            zeros, self._zeros = self._zeros, None
+            assert zeros is not None
+            return zeros
+        token, self._token = self._token, None
+        return overlap.wait(self, token).movedim(0, self._seq_dim)
 
 
 def _halo_fields(

@@ -12,7 +12,8 @@ attention (the state-independent output terms ``Q_eff``, ``O_c = P U``) runs whi
 flight, and only the chunked recurrence from ``h_in`` waits for it. Backward mirrors it: the
 node that receives ``∂L/∂h_in`` launches the gradient exchange, autograd then runs the
 backward of those output terms (recorded after the launch, so it runs first), and the launch
-node's backward completes the exchange before the summary's backward needs ``g_out``.
+node's backward completes the exchange before the summary's backward needs ``g_out``. The two
+nodes are hp-dtensor's overlapped-exchange node pair (``overlap.launch`` / ``overlap.wait``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor.amp import without_autocast
+from hyper_parallel.dtensor import overlap
+from hyper_parallel.dtensor.amp import autocast_off, without_autocast
 from hyper_parallel.dtensor.cache import WorldCache
 from hyper_parallel.dtensor.consistency import checked_entry
 
@@ -147,66 +149,69 @@ def _kda_fields(
 
 
 class _Exchange:
-    """One exchange's two directions, shared by its launch and wait nodes: the pending
-    transfers, this rank's own ``M`` and ``h_in`` (all that backward keeps)."""
+    """One state exchange, driven by hp-dtensor's overlapped-exchange node pair
+    (:mod:`hyper_parallel.dtensor.overlap`): the launch node's forward launches it and its
+    backward completes the gradient exchange and returns ``∂L/∂S_r = g_out``, ``∂L/∂M_r =
+    g_out h_inᵀ``; the wait node's forward completes it (``h_in(r)``) and its backward launches
+    the gradient exchange of ``∂L/∂h_in(r)``. Keeps the pending transfers and this rank's own
+    ``M`` and ``h_in`` (all that backward keeps).
+
+    The pair moves one tensor, this exchange two and its anchors: :meth:`pack` makes them one
+    flat fp32 vector ``[S_r ; M_r ; anchors]``, which autograd splits back into their gradients
+    (the same values; one state-sized copy each way). The anchors travel in it rather than as
+    the pair's own anchors because theirs get no gradient, while these (an empty chunk's
+    inputs, which tie the nodes into the graph of a rank whose chunk is empty) keep getting
+    their zero gradient, as before."""
 
     def __init__(self, ex: StateExchange) -> None:
         self.ex = ex
         self.pending: PendingExchange | None = None
         self.M: torch.Tensor | None = None
         self.h_in: torch.Tensor | None = None
+        self._shapes: tuple[torch.Size, torch.Size] | None = None
+        self._anchor_numel = 0
 
-
-class _StartExchange(torch.autograd.Function):
-    """``(S_r, M_r)`` ↦ a placeholder; launches the forward exchange. Its backward completes
-    the gradient exchange launched by :class:`_WaitExchange`'s backward and returns
-    ``∂L/∂S_r = g_out``, ``∂L/∂M_r = g_out h_inᵀ``. ``anchors`` (empty tensors, zero gradient)
-    only tie the nodes into the autograd graph of a rank whose chunk is empty."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, S: torch.Tensor, M: torch.Tensor, state: _Exchange, *anchors: torch.Tensor
+    def pack(
+        self, S: torch.Tensor, M: torch.Tensor, anchors: tuple[torch.Tensor, ...]
     ) -> torch.Tensor:
-        state.M = M.detach()
-        state.pending = state.ex.start_forward(S, M)
-        ctx.state = state
-        ctx.anchors = [(a.shape, a.dtype, a.device) for a in anchors]
-        return S.new_empty(0)
+        """``[S ; M ; anchors]`` flat, fp32 (differentiable)."""
+        self._shapes = (S.shape, M.shape)
+        self._anchor_numel = sum(a.numel() for a in anchors)
+        parts = [S.reshape(-1), M.reshape(-1), *(a.to(torch.float32).reshape(-1) for a in anchors)]
+        return torch.cat(parts)
 
-    @staticmethod
-    @without_autocast
-    def backward(ctx: Any, _unused: torch.Tensor) -> tuple[Any, ...]:
-        state: _Exchange = ctx.state
-        assert state.pending is not None and state.h_in is not None
-        g_out = state.pending.wait()
-        state.pending = None
-        empty = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.anchors]
-        return (g_out, g_out @ state.h_in.transpose(-1, -2), None, *empty)
+    def start(self, x: torch.Tensor) -> None:
+        assert self._shapes is not None
+        (s_shape, m_shape), n_s = self._shapes, self._shapes[0].numel()
+        S = x[:n_s].view(s_shape)
+        M = x[n_s : n_s + m_shape.numel()].view(m_shape)
+        self.M = M.detach()
+        self.pending = self.ex.start_forward(S, M)
 
-
-class _WaitExchange(torch.autograd.Function):
-    """placeholder ↦ ``h_in(r)``: completes the forward exchange. Its backward launches the
-    gradient exchange of ``∂L/∂h_in(r)``."""
-
-    @staticmethod
-    def forward(ctx: Any, placeholder: torch.Tensor, state: _Exchange) -> torch.Tensor:
-        assert state.pending is not None
-        h_in = state.pending.wait()
-        state.pending, state.h_in = None, h_in.detach()
-        ctx.state = state
+    def finish(self) -> torch.Tensor:
+        assert self.pending is not None
+        h_in = self.pending.wait()
+        self.pending, self.h_in = None, h_in.detach()
         return h_in
 
-    @staticmethod
-    @without_autocast
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        state: _Exchange = ctx.state
-        assert state.M is not None
+    def start_grad(self, grad: torch.Tensor) -> None:
+        assert self.M is not None
         # No consistency check here: the forward's signature (dims, protocol and its choice,
         # fold kernel, whether gradients flow) fixes this exchange's shapes (fp32 [B, H, K,
         # V]) and protocol, and every rank must run this backward anyway (a rank that does
         # not would leave a comparison waiting just as it leaves the exchange).
-        state.pending = state.ex.start_backward(grad.to(torch.float32).contiguous(), state.M)
-        return grad.new_zeros(0), None  # only orders the launch node's backward after this one
+        with autocast_off(grad.device.type):
+            self.pending = self.ex.start_backward(grad.to(torch.float32).contiguous(), self.M)
+
+    def finish_grad(self) -> torch.Tensor:
+        assert self.pending is not None and self.h_in is not None
+        with autocast_off(self.h_in.device.type):
+            g_out = self.pending.wait()
+            self.pending = None
+            parts = [g_out.reshape(-1), (g_out @ self.h_in.transpose(-1, -2)).reshape(-1)]
+            if self._anchor_numel:
+                parts.append(g_out.new_zeros(self._anchor_numel))
+            return torch.cat(parts)
 
 
 @accepts_backend("kda_context_parallel")
@@ -341,10 +346,10 @@ def run_with_executor(
     if T and not _OVERLAP:  # the earlier schedule: every local term before the exchange
         local = output_terms(staged, f32[0], scale)
     state = _Exchange(ex)
-    started = _StartExchange.apply(S.contiguous(), M.contiguous(), state, *anchors)
+    started = overlap.launch(state, state.pack(S, M, anchors))
     if T and _OVERLAP:  # the chunks' own attention, while the exchange is in flight
         local = output_terms(staged, f32[0], scale)
-    h_x = _WaitExchange.apply(started, state)
+    h_x = overlap.wait(state, started)
     h_in = h_x + h0 if h0 is not None else h_x
     if T == 0:
         # o = q h_in over zero tokens: empty, but linked to the exchange, so a loss over this
