@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from _moe_testutil import H, TIMEOUT, ep_mesh, local_grad, routing, serial_reference, stock_experts
+from _moe_testutil import TIMEOUT, H, ep_mesh, local_grad, routing, serial_reference, stock_experts
 
 from hyper_parallel.dtensor import InconsistentRanksError, consistency_checks
 from hyper_parallel.dtensor.recorder import record_events
@@ -39,9 +39,13 @@ def rank_autocast() -> dict:
     own = slice(rank * e_l, (rank + 1) * e_l)
     return {
         "dtype": out.dtype,
-        "pairs": [(out, ref["out"][rank]), (h.grad, ref["dh"][rank]), (w.grad, ref["dw"][rank]),
-                  (local_grad(m.gate_up_proj), ref["gate_up_proj"][own]),
-                  (local_grad(m.down_proj), ref["down_proj"][own])],  # fmt: skip
+        "pairs": [
+            (out, ref["out"][rank]),
+            (h.grad, ref["dh"][rank]),
+            (w.grad, ref["dw"][rank]),
+            (local_grad(m.gate_up_proj), ref["gate_up_proj"][own]),
+            (local_grad(m.down_proj), ref["down_proj"][own]),
+        ],
         "grad_dtypes": (h.grad.dtype, local_grad(m.gate_up_proj).dtype),
         "bytes": sum(e.nbytes for e in rec.events if e.kind == "launch" and "dispatch" in e.name),
         "rows_out": int(((i < rank * e_l) | (i >= (rank + 1) * e_l)).sum()),
@@ -72,7 +76,9 @@ def rank_consistency() -> dict:
     out: dict = {}
     with consistency_checks():
         out["impl"] = _raised(
-            lambda: parallelize_experts(stock_experts(), mesh, impl="grouped_mm" if rank else "torch")
+            lambda: parallelize_experts(
+                stock_experts(), mesh, impl="grouped_mm" if rank else "torch"
+            )
         )
         out["chunks"] = _raised(
             lambda: parallelize_experts(stock_experts(), mesh, chunks=2 if rank else "auto")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _moe_testutil import E, H, TIMEOUT, ep_mesh, routing, stock_experts
+from _moe_testutil import TIMEOUT, E, H, ep_mesh, routing, stock_experts
 from torch import nn
 
 from hyper_parallel.dtensor import init_device_mesh
@@ -43,7 +43,9 @@ def rank_errors() -> dict[str, str]:
     mesh = ep_mesh()
     errors: dict[str, str] = {}
     errors["form"] = _error(lambda: parallelize_experts(_NotExperts(), mesh))
-    errors["indivisible"] = _error(lambda: parallelize_experts(stock_experts(experts=6), ep_mesh(4)))
+    errors["indivisible"] = _error(
+        lambda: parallelize_experts(stock_experts(experts=6), ep_mesh(4))
+    )
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     errors["2d_mesh"] = _error(lambda: parallelize_experts(stock_experts(), mesh2d))
     errors["impl"] = _error(lambda: parallelize_experts(stock_experts(), mesh, impl="cuda"))

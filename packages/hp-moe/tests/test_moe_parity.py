@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from _moe_testutil import (
+    TIMEOUT,
     E,
     H,
-    TIMEOUT,
     close,
     ep_mesh,
     local_grad,
