@@ -16,6 +16,7 @@ from hyper_parallel.moe.parallelize import (
     experts_info,
     is_experts_parallel,
     parallelize_experts,
+    run_experts,
     unparallelize_experts,
 )
 from hyper_parallel.moe.schedule import (
@@ -42,6 +43,7 @@ __all__ = [
     "experts_shape",
     "is_experts_parallel",
     "parallelize_experts",
+    "run_experts",
     "select_impl",
     "unparallelize_experts",
 ]

@@ -15,6 +15,7 @@ After :func:`parallelize_experts` (P ranks in the 1-D ``ep_mesh``, ``E_l = E / P
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -42,6 +43,7 @@ __all__ = [
     "experts_info",
     "is_experts_parallel",
     "parallelize_experts",
+    "run_experts",
     "unparallelize_experts",
 ]
 
@@ -136,7 +138,9 @@ def parallelize_experts(
     return install_forward(experts, LAYER, state, _make_forward, prefix="EP")
 
 
-def _forward_fields(self: nn.Module, hidden: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+def _forward_fields(
+    self: nn.Module, hidden: Any, top_k_index: Any, top_k_weights: Any, alongside: Any = None
+) -> Any:
     """What the ranks compare before a forward's first collective: the hidden size and the
     dtypes (not N, which may differ), the options and the ep mesh."""
     st = cast(_EPState, parallel_state(self, LAYER))
@@ -155,26 +159,60 @@ def _forward_fields(self: nn.Module, hidden: Any, top_k_index: Any, top_k_weight
         "overlap": st.overlap,
         "ep_ranks": st.group.ranks,
         "grad": torch.is_grad_enabled(),
+        "alongside": alongside is not None,
     }
     return st.group.pg, fields
 
 
+def _parallel_call(
+    self: nn.Module,
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    alongside: Callable[[], Any] | None,
+) -> tuple[Tensor, Any]:
+    st = cast(_EPState, parallel_state(self, LAYER))
+    gate_up = cast(Any, self.gate_up_proj).to_local()
+    down = cast(Any, self.down_proj).to_local()
+    run = experts_parallel_forward if st.overlap else experts_parallel_blocking
+    out, st.last = run(
+        hidden_states, top_k_index, top_k_weights, gate_up, down, self.act_fn, st.group,
+        impl=st.impl, chunks=st.chunks, what=f"parallel experts ({type(self).__name__})",
+        alongside=alongside,
+    )  # fmt: skip
+    return out, st.last.alongside
+
+
+_checked_call = checked_entry("parallel experts", _forward_fields)(_parallel_call)
+
+
 def _make_forward(original: type) -> Any:
-    @checked_entry(f"parallel experts ({original.__name__})", _forward_fields)
     def forward(
         self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
     ) -> Tensor:
-        st = cast(_EPState, parallel_state(self, LAYER))
-        gate_up = cast(Any, self.gate_up_proj).to_local()
-        down = cast(Any, self.down_proj).to_local()
-        run = experts_parallel_forward if st.overlap else experts_parallel_blocking
-        out, st.last = run(
-            hidden_states, top_k_index, top_k_weights, gate_up, down, self.act_fn, st.group,
-            impl=st.impl, chunks=st.chunks, what=f"parallel experts ({original.__name__})",
-        )  # fmt: skip
-        return out
+        return _checked_call(self, hidden_states, top_k_index, top_k_weights, None)[0]
 
     return forward
+
+
+def run_experts(
+    experts: nn.Module,
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    *,
+    alongside: Callable[[], Any] | None = None,
+) -> tuple[Tensor, Any]:
+    """Call parallelized ``experts`` as its forward does, running ``alongside()`` (work that
+    does not need the experts' output, e.g. a MoE block's shared experts on the same tokens)
+    once the first dispatch is in flight, under the caller's autocast; returns
+    ``(out [N, H], alongside's result)``. With ``overlap=False`` it runs before the dispatch.
+    ``RuntimeError`` on a module that is not parallelized."""
+    _state(experts, "run_experts")
+    return cast(
+        tuple[Tensor, Any],
+        _checked_call(experts, hidden_states, top_k_index, top_k_weights, alongside),
+    )
 
 
 def is_experts_parallel(experts: nn.Module) -> bool:

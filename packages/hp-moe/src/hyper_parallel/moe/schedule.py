@@ -29,8 +29,10 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -66,6 +68,7 @@ class ForwardStats:
     chunks_reason: str = ""
     impl: str = ""
     impl_reason: str = ""
+    alongside: Any = None  # what ``alongside`` returned (run while the first dispatch flies)
 
 
 def choose_chunks(
@@ -173,6 +176,7 @@ def _run(
     chunks: int | str,
     overlapped: bool,
     what: str,
+    alongside: Callable[[], Any] | None = None,
 ) -> tuple[Tensor, ForwardStats]:
     e_l, two_i, h = gate_up.shape
     shape = ExpertsShape(e_l * group.size, h, two_i // 2)
@@ -196,6 +200,14 @@ def _run(
     stats = ForwardStats(plan.global_counts(), [0] * e_l, c, c_why, backend.name, b_why)
 
     x, gu, dn = cast_for_autocast(device, hidden, gate_up, down)
+
+    def side_work() -> None:  # under the caller's autocast, like the code around the experts
+        if alongside is not None:
+            with contextlib.ExitStack() as stack:
+                if cast is not None:
+                    stack.enter_context(torch.autocast(device, dtype=cast))
+                stats.alongside = alongside()
+
     with autocast_off(device):
         rows, order = backend.permute(x, top_k_index)
         anchors = (gu[:0], dn[:0]) if torch.is_grad_enabled() else ()
@@ -211,6 +223,7 @@ def _run(
         if overlapped and active:
             d_ex = exchange(active[0], False)
             d_tok = launch(d_ex, _rows_of(rows, plan.send_ranges(active[0])), *anchors)
+            side_work()  # hides the first dispatch (and, in backward, the last dispatch gradient)
             combines = []
             for i, q in enumerate(active):
                 recv = wait(d_ex, d_tok)
@@ -223,7 +236,8 @@ def _run(
                 combines.append((q, c_ex, launch(c_ex, y, *anchors)))
             for q, c_ex, c_tok in combines:
                 back[q] = wait(c_ex, c_tok)
-        else:
+        else:  # blocking, or nothing to dispatch anywhere
+            side_work()
             for q in active:
                 recv = blocking(exchange(q, False), _rows_of(rows, plan.send_ranges(q)), *anchors)
                 y = _compute_chunk(recv, plan, q, backend, gu, dn, act, stats)
@@ -252,6 +266,7 @@ def experts_parallel_forward(
     impl: str = "auto",
     chunks: int | str = "auto",
     what: str = "experts_parallel_forward",
+    alongside: Callable[[], Any] | None = None,
 ) -> tuple[Tensor, ForwardStats]:
     """The experts of the ep group on this rank's tokens, chunked and overlapped.
 
@@ -260,10 +275,12 @@ def experts_parallel_forward(
     this rank's experts (rank r holds experts ``r·E_l … (r+1)·E_l − 1``); ``group``: the ep group
     (``comm.resolve_group``). Returns ``out [N, H]`` (what the stock module with every expert
     gives on these tokens) and the :class:`ForwardStats`. Every rank of the group calls it
-    together; ``N`` may differ between ranks (also 0)."""
+    together; ``N`` may differ between ranks (also 0). ``alongside``: work that does not need
+    the experts' output (e.g. a MoE block's shared experts), run once the first dispatch is in
+    flight, under the caller's autocast; its result is ``stats.alongside``."""
     return _run(
         hidden, top_k_index, top_k_weights, gate_up, down, act, group,
-        impl=impl, chunks=chunks, overlapped=True, what=what,
+        impl=impl, chunks=chunks, overlapped=True, what=what, alongside=alongside,
     )  # fmt: skip
 
 
@@ -279,10 +296,11 @@ def experts_parallel_blocking(
     impl: str = "auto",
     chunks: int | str = "auto",
     what: str = "experts_parallel_blocking",
+    alongside: Callable[[], Any] | None = None,
 ) -> tuple[Tensor, ForwardStats]:
     """The reference twin of :func:`experts_parallel_forward` (same signature, same numbers):
     every dispatch and combine is waited as soon as it is started, forward and backward."""
     return _run(
         hidden, top_k_index, top_k_weights, gate_up, down, act, group,
-        impl=impl, chunks=chunks, overlapped=False, what=what,
+        impl=impl, chunks=chunks, overlapped=False, what=what, alongside=alongside,
     )  # fmt: skip
