@@ -11,6 +11,13 @@ expert work is one backend class per device (:mod:`hyper_parallel.moe.local`).
 from hyper_parallel.moe._version import __version__
 from hyper_parallel.moe.form import FORM, ExpertsShape, experts_shape
 from hyper_parallel.moe.local import IMPLS, LocalExperts, select_impl
+from hyper_parallel.moe.npu_ops import (  # importing it registers the "npu" backend
+    NpuExperts,
+    NpuMoeOps,
+    TorchNpuOps,
+    current_npu_ops,
+    use_npu_ops,
+)
 from hyper_parallel.moe.parallelize import (
     expert_counts,
     experts_info,
@@ -34,8 +41,12 @@ __all__ = [
     "ExpertsShape",
     "ForwardStats",
     "LocalExperts",
+    "NpuExperts",
+    "NpuMoeOps",
+    "TorchNpuOps",
     "__version__",
     "choose_chunks",
+    "current_npu_ops",
     "expert_counts",
     "experts_info",
     "experts_parallel_blocking",
@@ -46,4 +57,5 @@ __all__ = [
     "run_experts",
     "select_impl",
     "unparallelize_experts",
+    "use_npu_ops",
 ]
