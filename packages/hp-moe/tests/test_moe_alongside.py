@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from _moe_testutil import H, TIMEOUT, close, ep_mesh, routing, stock_experts
+from _moe_testutil import TIMEOUT, H, close, ep_mesh, routing, stock_experts
 from torch import nn
 
 from hyper_parallel.dtensor import comm

@@ -188,9 +188,15 @@ _checked_call = checked_entry("parallel experts", _forward_fields)(_parallel_cal
 
 def _make_forward(original: type) -> Any:
     def forward(
-        self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
-    ) -> Tensor:
-        return _checked_call(self, hidden_states, top_k_index, top_k_weights, None)[0]
+        self: nn.Module,
+        hidden_states: Tensor,
+        top_k_index: Tensor,
+        top_k_weights: Tensor,
+        *,
+        alongside: Callable[[], Any] | None = None,
+    ) -> Any:
+        out, side = _checked_call(self, hidden_states, top_k_index, top_k_weights, alongside)
+        return out if alongside is None else (out, side)
 
     return forward
 
@@ -207,12 +213,14 @@ def run_experts(
     does not need the experts' output, e.g. a MoE block's shared experts on the same tokens)
     once the first dispatch is in flight, under the caller's autocast; returns
     ``(out [N, H], alongside's result)``. With ``overlap=False`` it runs before the dispatch.
-    ``RuntimeError`` on a module that is not parallelized."""
+    The call goes through the module (``experts(..., alongside=fn)``), so its hooks (FSDP2's
+    unshard and reshard among them) run as for a plain call. ``RuntimeError`` on a module that
+    is not parallelized."""
     _state(experts, "run_experts")
-    return cast(
-        tuple[Tensor, Any],
-        _checked_call(experts, hidden_states, top_k_index, top_k_weights, alongside),
-    )
+    if alongside is None:
+        return experts(hidden_states, top_k_index, top_k_weights), None
+    out, side = experts(hidden_states, top_k_index, top_k_weights, alongside=alongside)
+    return out, side
 
 
 def is_experts_parallel(experts: nn.Module) -> bool:
