@@ -11,6 +11,7 @@ sequence block, ``gather_sequence`` puts a block-sharded tensor back together an
 from hyper_parallel.models._version import __version__
 from hyper_parallel.models.batch import IGNORE_INDEX, gather_sequence, shard_batch
 from hyper_parallel.models.clip import clip_grad_norm_
+from hyper_parallel.models.experts import balance_experts
 from hyper_parallel.models.families import supported_classes
 from hyper_parallel.models.grads import sync_gradients
 from hyper_parallel.models.loss import global_mean_loss
@@ -23,6 +24,7 @@ __all__ = [
     "ParallelPlan",
     "SequenceMesh",
     "__version__",
+    "balance_experts",
     "clip_grad_norm_",
     "gather_sequence",
     "global_mean_loss",

@@ -9,6 +9,7 @@ module                                      parameters                   ``fully
 ==========================================  ===========================  =====================
 each dense gated MLP (hp-mc2)               DTensor shards over ``tp``   ``cp`` (2-D with tp)
 each decoder layer (mixers, norms, MoE)     whole on every rank          ``flat`` (cp·tp)
+the experts of a MoE block at ``ep > 1``    DTensor shards over ``ep``   ``edp`` (2-D with ep)
 the model (embeddings, final norm, head)    whole on every rank          ``flat`` (cp·tp)
 ==========================================  ===========================  =====================
 
@@ -85,6 +86,7 @@ def apply_fsdp(
     roles: dict[str, str],
     sm: SequenceMesh,
     mp_policy: Any = None,
+    edp: Any = None,
 ) -> None:
     """Wrap the blocks of an already parallelised ``model`` (see the module docstring), each
     with ``mp_policy`` (a ``MixedPrecisionPolicy``; None: FSDP2's default, no casting)."""
@@ -93,6 +95,11 @@ def apply_fsdp(
         raise RuntimeError("this torch's FSDP2 cannot sum gradients with unused parameters")
     kw = {} if mp_policy is None else {"mp_policy": mp_policy}
     wrapped = []
+    if edp is not None:  # experts split over ep (DTensors on ep): sharded over the edp ranks
+        for path, role in roles.items():
+            if role == "moe":
+                experts = base.get_submodule(path).get_submodule("experts")
+                wrapped.append(fully_shard(experts, mesh=edp, **kw))
     for path, role in roles.items():  # blocks reduced over another mesh than the layer's
         if sm.fsdp_mesh_for(role) is not sm.fsdp_mesh:
             wrapped.append(fully_shard(base.get_submodule(path), mesh=sm.fsdp_mesh_for(role), **kw))

@@ -6,7 +6,11 @@ After ``loss.backward()`` on a parallelised model each rank holds the gradient o
 tokens' share of the loss:
 
 - a parameter that is whole on every rank (embeddings, norms, attention and KDA weights, MoE
-  experts, the LM head) has a share on every rank of the (cp, tp) mesh: summed over all of them;
+  routers, shared experts and, at ``ep = 1``, the routed experts, the LM head) has a share on
+  every rank of the (cp, tp) mesh: summed over all of them;
+- a routed expert split over ``ep`` ranks (hp-moe, ``ep > 1``) already holds the sum over its
+  ep group (its owner computed every row routed to it): summed over ``edp``, the ranks holding
+  the same experts;
 - a tensor-parallel parameter of an MLP (a DTensor over ``tp``, from hp-mc2: the weight shards
   and the replicated down-projection bias alike) already holds the sum over its ``tp`` group,
   because hp-mc2's backward works on the gradient gathered over ``tp`` (the whole ``cp``
@@ -47,14 +51,18 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _scopes(model: nn.Module, roles: dict[str, str]) -> dict[int, str]:
+def _scopes(model: nn.Module, roles: dict[str, str], ep: int) -> dict[int, str]:
     """``id(parameter) -> reduction_scope`` of its block's role (the rule FSDP2's meshes
-    follow too); parameters outside every role's block are ``"world"``."""
+    follow too); parameters outside every role's block are ``"world"``; split experts
+    (``ep > 1``) are ``"edp"``: summed over the ranks holding the same experts."""
     _, base = family_of(model)
     scopes: dict[int, str] = {}
     for path, role in roles.items():
         for p in base.get_submodule(path).parameters():
             scopes[id(p)] = reduction_scope(role)
+        if role == "moe" and ep > 1:
+            for p in base.get_submodule(path).get_submodule("experts").parameters():
+                scopes[id(p)] = "edp"
     return scopes
 
 
@@ -99,8 +107,9 @@ def sync_gradients(model: nn.Module) -> None:
     groups: dict[str, list[Any]] = {
         "world": [everyone],
         "cp": [sm.cp] if sm.dp is None else [sm.cp, sm.dp],
+        "edp": [] if plan.moe is None or plan.moe.ep == 1 else [plan.moe.edp_mesh],
     }
-    scopes = _scopes(model, plan.roles)
+    scopes = _scopes(model, plan.roles, 1 if plan.moe is None else plan.moe.ep)
     buckets: dict[tuple[str, torch.dtype, torch.device], list[Tensor]] = {}
     for p, flag in zip(params, has.tolist()):
         if not flag:

@@ -9,7 +9,9 @@ block                  applied                                                  
 MLA attention          ``hyper_parallel.context_parallel.parallelize_mla``        ``flat``
 KDA layer              ``hyper_parallel.kda.parallelize_kda``                     ``flat``
 dense gated MLP        ``parallelize_module(mlp, tp, MC2GatedMLPParallel())``     ``tp``
-MoE block              nothing: runs on the local block, parameters replicated    -
+MoE block (ep = 1)     nothing: runs on the local block, parameters replicated    -
+MoE block (ep > 1)     experts: ``hyper_parallel.moe.parallelize_experts``;       ``ep``
+                       the shared experts run under the dispatch
 norms, embeddings,     nothing: per token, on the local block                     -
 LM head
 =====================  =========================================================  ==========
@@ -31,6 +33,7 @@ from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized
 from hyper_parallel.kda import PROTOCOLS, parallelize_kda
 from hyper_parallel.mc2 import MC2GatedMLPParallel
 from hyper_parallel.models.checkpoint import save_pretrained_member
+from hyper_parallel.models.experts import MoEState, check_ep, expert_meshes, install_moe
 from hyper_parallel.models.families import ModelFamily, family_of, role_of
 from hyper_parallel.models.fsdp import apply_fsdp, check_mp_policy, fsdp_available
 from hyper_parallel.models.loss import parallel_forward, refuse_generate
@@ -66,6 +69,7 @@ def _validate(
     overlap: Any,
     kda_protocol: str,
     grad_reduction: str,
+    ep: Any = 1,
 ) -> tuple[ModelFamily, nn.Module, dict[str, str]]:
     """Every check, collective-free and identical on every rank."""
     if is_parallelized(model, LAYER):
@@ -103,6 +107,9 @@ def _validate(
             )
         roles[f"layers.{i}.self_attn"] = attn_role
         roles[f"layers.{i}.mlp"] = role_of(layer.get_submodule("mlp"), fam)
+    dp = 1 if mesh.ndim == 2 else mesh.size(0)
+    moe = {path: base.get_submodule(path) for path, role in roles.items() if role == "moe"}
+    check_ep(ep, dp * p, moe)
     return fam, base, roles
 
 
@@ -134,6 +141,7 @@ def _fields(
     kda_protocol: Any = "auto",
     grad_reduction: Any = "auto",
     mp_policy: Any = None,
+    ep: Any = 1,
 ) -> tuple[Any, dict[str, Any]]:
     """``parallelize_model``'s consistency signature (``checked_entry``), over the default
     group, before any sub-mesh is created (creating a process group involves every process):
@@ -153,6 +161,7 @@ def _fields(
         "kda_protocol": kda_protocol,
         "grad_reduction": grad_reduction,
         "mp_policy": repr(mp_policy),
+        "ep": ep,
     }
 
 
@@ -166,6 +175,7 @@ def parallelize_model(
     kda_protocol: str = "auto",
     grad_reduction: str = "auto",
     mp_policy: Any = None,
+    ep: int = 1,
 ) -> nn.Module:
     """Parallelise a stock ``KimiLinearForCausalLM``/``KimiLinearModel`` or
     ``DeepseekV3ForCausalLM``/``DeepseekV3Model`` in place over the 2-D ``mesh`` with dims
@@ -193,6 +203,14 @@ def parallelize_model(
     mesh; ``"auto"`` picks ``"fsdp"`` where this torch's FSDP2 supports it (torch 2.13).
     Either way, build the optimizer after this call.
 
+    ``ep``: expert parallelism for the MoE blocks (see :mod:`hyper_parallel.models.experts`):
+    the ``dp·cp·tp`` ranks, flattened innermost first (tp, cp, dp), are cut into groups of
+    ``ep`` consecutive ranks; each group splits every MoE layer's routed experts
+    (``E/ep`` a rank, hp-moe), each expert's gradient is summed over the ranks holding the same
+    experts, and the shared experts run while the dispatch is in flight. ``ep`` must divide
+    ``dp·cp·tp`` and every MoE layer's expert count; ``ep=1`` (default) keeps every expert whole
+    on every rank.
+
     ``mp_policy``: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` handed to every
     ``fully_shard`` (with ``grad_reduction="fsdp"``/``"auto"`` on FSDP2; with ``"allreduce"``
     it raises ``ValueError``, with another type ``TypeError``). The usual recipe: float32
@@ -211,11 +229,13 @@ def parallelize_model(
     creating a process group involves all of them) compares the model's class and family, the
     role of every block, the parameter dtypes and count, the mesh's shape and dim names, and
     the options (``mla_strategy``, ``overlap``, ``kda_protocol``, the resolved
-    ``grad_reduction``, ``mp_policy``); the layers' entry points called inside do not compare
-    again (hp-dtensor's ``checked_entry``). The forward then compares its keyword arguments
+    ``grad_reduction``, ``mp_policy``, ``ep``); the layers' entry points called inside do not
+    compare again (hp-dtensor's ``checked_entry``). The forward then compares its keyword arguments
     (tensors by shape, dtype and device type) over the flattened mesh, for its layers too.
     """
-    fam, base, roles = _validate(model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction)
+    fam, base, roles = _validate(
+        model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction, ep
+    )
     check_mp_policy(mp_policy, grad_reduction)
     if grad_reduction == "auto":
         grad_reduction = "fsdp" if fsdp_available() else "allreduce"
@@ -228,12 +248,16 @@ def parallelize_model(
             parallelize_kda(block, sm.flat, protocol=kda_protocol)
         elif role == "dense_mlp":
             parallelize_module(block, sm.tp, MC2GatedMLPParallel())
-    plan = ParallelPlan(fam.name, sm, grad_reduction, roles, has_loss=base is not model)
+    moe = MoEState(ep)
+    if ep > 1:
+        moe.ep_mesh, moe.edp_mesh = expert_meshes(sm.batch, ep)
+    install_moe(moe, base, [path for path, role in roles.items() if role == "moe"])
+    plan = ParallelPlan(fam.name, sm, grad_reduction, roles, has_loss=base is not model, moe=moe)
     # the class keeps its name: Hugging Face derives the saved `architectures` and the loss
     # type from it
     install_forward(model, LAYER, plan, parallel_forward, prefix="", members=_members(type(model)))
     if grad_reduction == "fsdp":
-        apply_fsdp(model, base, roles, sm, mp_policy)
+        apply_fsdp(model, base, roles, sm, mp_policy, moe.edp_mesh)
     return model
 
 

@@ -11,6 +11,7 @@ reads the plan from there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -36,6 +37,7 @@ class ParallelPlan:
     grad_reduction: str  # "fsdp" or "allreduce"
     roles: dict[str, str] = field(default_factory=dict)  # module path -> mla/kda/dense_mlp/moe
     has_loss: bool = True
+    moe: Any = None  # experts.MoEState: ep, the ep/edp meshes, the last routing counts
 
 
 def is_model_parallelized(model: nn.Module) -> bool:

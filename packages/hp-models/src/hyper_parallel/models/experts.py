@@ -1,0 +1,170 @@
+"""The MoE blocks of a parallelised model: experts split over ep ranks (hp-moe), the shared
+experts under the dispatch, the routing counts, and DeepSeek-V3's auxiliary-loss-free balancing.
+
+Meshes: the ``dp·cp·tp`` ranks of one global batch, flattened innermost first (tp, then cp,
+then dp: :attr:`SequenceMesh.batch`), are cut into groups of ``ep`` consecutive ranks (so a
+group prefers ranks that share a node): ``ep`` = one group, the ranks that split one MoE layer's
+experts; ``edp`` = the ``dp·cp·tp/ep`` ranks holding the same experts (expert data
+parallelism). Both come from one :func:`hyper_parallel.dtensor.unflatten` of the batch mesh.
+
+Per MoE block (``DeepseekV3MoE`` / ``KimiLinearMoE``: ``gate``, ``experts``,
+``shared_experts``), with ``ep > 1``:
+
+- ``experts``: ``hyper_parallel.moe.parallelize_experts(experts, ep)``; rank r keeps experts
+  ``r_ep·E/ep …``; each expert's gradient is summed over its ``edp`` ranks (FSDP2 over ``edp``,
+  or ``sync_gradients``' all-reduce over ``edp``); the router and the shared experts stay whole
+  on every rank (summed over every rank, like every other whole parameter);
+- the block's forward is the stock one with the shared experts run while the first dispatch
+  is in flight (``hyper_parallel.moe.run_experts(alongside=...)``).
+
+With any ``ep`` (1 included) each experts module records the per-expert counts of this rank's
+``top_k_index`` at every forward; :func:`balance_experts` sums them over the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hyper_parallel.dtensor import DeviceMesh, comm, unflatten
+from hyper_parallel.dtensor.rewrite import install_forward, parallel_state
+from hyper_parallel.models.plan import OWNER, plan_of
+from hyper_parallel.moe import parallelize_experts, run_experts
+
+__all__ = ["MoEState", "balance_experts", "check_ep", "expert_meshes", "install_moe"]
+
+MOE_LAYER = "hp-models-moe"  # the rewrite's layer name of a MoE block with split experts
+
+
+@dataclass
+class MoEState:
+    """The experts of a parallelised model: ``ep``, the meshes (``None`` at ep = 1) and the
+    last forward's local per-expert counts of each MoE block (by module path)."""
+
+    ep: int = 1
+    ep_mesh: DeviceMesh | None = None
+    edp_mesh: DeviceMesh | None = None
+    counts: dict[str, Tensor] = field(default_factory=dict)
+
+
+def num_experts(block: nn.Module) -> int:
+    return int(block.get_submodule("experts").gate_up_proj.shape[0])
+
+
+def check_ep(ep: Any, batch_size: int, moe_blocks: dict[str, nn.Module]) -> None:
+    """``ep`` divides the ranks of the batch and every MoE block's expert count (``TypeError``
+    / ``ValueError`` otherwise; collective-free, the same on every rank)."""
+    if isinstance(ep, bool) or not isinstance(ep, int):
+        raise TypeError(f"ep must be an int, got {ep!r}")
+    if ep < 1 or batch_size % ep:
+        raise ValueError(
+            f"ep={ep} must be a positive divisor of the dp·cp·tp = {batch_size} ranks of the batch"
+        )
+    for path, block in moe_blocks.items():
+        if num_experts(block) % ep:
+            raise ValueError(
+                f"{path}: {num_experts(block)} routed experts cannot be split evenly over ep={ep}"
+            )
+
+
+def expert_meshes(batch: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """``(ep, edp)``: the batch mesh's ranks in groups of ``ep`` consecutive ranks, and the
+    ranks holding the same experts."""
+    name = (batch.mesh_dim_names or ("batch",))[0]
+    split = unflatten(batch, name, (batch.size() // ep, ep), ("edp", "ep"))
+    return split["ep"], split["edp"]
+
+
+def _record(state: MoEState, path: str, index: Any, experts: int) -> None:
+    if isinstance(index, Tensor) and not index.dtype.is_floating_point:
+        flat = index.detach().reshape(-1)
+        state.counts[path] = torch.bincount(flat.clamp(0, experts - 1), minlength=experts)
+
+
+def _record_counts(state: MoEState, path: str) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        _record(state, path, args[1] if len(args) > 1 else None, int(module.gate_up_proj.shape[0]))
+
+    return hook
+
+
+@dataclass(frozen=True)
+class _BlockState:
+    moe: MoEState
+    path: str
+
+
+def _moe_forward(original: type) -> Any:
+    def forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
+        st: _BlockState = parallel_state(self, MOE_LAYER)
+        residuals, shape = hidden_states, hidden_states.shape
+        _, top_k_weights, top_k_index = self.gate(hidden_states)
+        _record(st.moe, st.path, top_k_index, num_experts(self))
+        flat = hidden_states.view(-1, shape[-1])
+        out, shared = run_experts(
+            self.experts, flat, top_k_index, top_k_weights,
+            alongside=lambda: self.shared_experts(residuals),
+        )  # fmt: skip
+        return out.view(*shape) + shared
+
+    return forward
+
+
+def install_moe(state: MoEState, base: nn.Module, moe_paths: list[str]) -> None:
+    """Split the experts of every MoE block over ``state.ep_mesh`` (when ep > 1) and record
+    every experts module's routing counts."""
+    for path in moe_paths:
+        block = base.get_submodule(path)
+        experts = block.get_submodule("experts")
+        if state.ep > 1:
+            parallelize_experts(experts, state.ep_mesh)
+        if state.ep > 1 and all(hasattr(block, n) for n in ("gate", "shared_experts")):
+            install_forward(block, MOE_LAYER, _BlockState(state, path), _moe_forward, prefix="")
+        else:  # the stock block forward calls the experts module: count in a pre-hook
+            experts.register_forward_pre_hook(_record_counts(state, path))
+
+
+def balance_experts(model: nn.Module, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, which transformers never applies in
+    training: for every MoE router of a model parallelised by ``parallelize_model``,
+    ``e_score_correction_bias += rate · sign(mean(load) − load)``, ``load[e]`` being the
+    (token, expert) assignments of the last forward over the **whole global batch** (every rank
+    of dp × cp × tp: one all-reduce of every layer's counts), so the bias is identical on every
+    rank. Call after the step (every rank); the bias only shifts which experts are chosen,
+    never the routing weights. A router without ``e_score_correction_bias`` is left alone.
+    ``RuntimeError`` before the first forward; ``ValueError`` for a rate that is not a finite
+    number ``>= 0``."""
+    plan = plan_of(model, "balance_experts")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (rate >= 0):
+        raise ValueError(f"balance_experts: rate must be a finite number >= 0, got {rate!r}")
+    if rate == float("inf"):
+        raise ValueError("balance_experts: rate must be finite")
+    state: MoEState = plan.moe
+    paths = [p for p, role in plan.roles.items() if role == "moe"]
+    if not paths:
+        return
+    missing = [p for p in paths if p not in state.counts]
+    if missing:
+        raise RuntimeError(f"balance_experts: no forward has routed tokens yet ({missing})")
+    from hyper_parallel.models.families import family_of
+
+    _, base = family_of(model)
+    loads = torch.cat([state.counts[p].to(torch.float64) for p in paths])
+    if plan.mesh.batch.size() > 1:
+        grp = comm.resolve_group(plan.mesh.batch, "balance_experts")
+        loads = comm.start_all_reduce(loads, grp, "all_reduce:expert_load", "step", OWNER).wait()
+    offset = 0
+    for p in paths:
+        router = base.get_submodule(p).get_submodule("gate")
+        n = state.counts[p].numel()
+        load = loads[offset : offset + n]
+        offset += n
+        bias = getattr(router, "e_score_correction_bias", None)
+        if not isinstance(bias, Tensor):
+            continue
+        step = rate * torch.sign(load.mean() - load)
+        with torch.no_grad():
+            bias.add_(step.to(device=bias.device, dtype=bias.dtype))
