@@ -58,7 +58,7 @@ _COLLECTIVES = {
 }
 _RECORDED = {"a2a": "all_to_all_single", "all_gather": "all_gather_tensor"}
 _RECORDED["reduce_scatter"] = "reduce_scatter_tensor"
-# what each strategy documents (parallel_mla's module docstring), per forward / backward
+# what each strategy documents (pipeline's and strategies' docstrings), per forward / backward
 SCHEDULE = {
     "expanded": ({"all_to_all_single": 4}, {"all_to_all_single": 4}),
     "latent": (

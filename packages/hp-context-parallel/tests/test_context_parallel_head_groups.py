@@ -162,9 +162,15 @@ def test_each_groups_exchanges_are_in_flight_under_another_groups_attention(stra
         o.in_flight_during("a2a:do0", "o_proj.weight_grad", "backward")
         if strategy == "latent":
             o.in_flight_during("all_gather:latent", "q_proj", "forward")
-            o.in_flight_during("reduce_scatter:dlatent", "q_proj", "backward")
+            # every group's heads expanded at once, fused with the gather's wait, as with G = 1:
+            # every Q in flight under it; in backward the last group's dQ under its two
+            # matmuls and the reduce-scatter under the weight-gradient one
             for g in range(4):
-                o.in_flight_during(f"a2a:q{g}", f"kv_b_proj.g{g}", "forward")
+                o.in_flight_during(f"a2a:q{g}", "kv_b_proj", "forward")
+            o.in_flight_during("a2a:dq0", "kv_b_proj.input_grad", "backward")
+            o.in_flight_during("a2a:dq0", "kv_b_proj.weight_grad", "backward")
+            o.in_flight_during("reduce_scatter:dlatent", "kv_b_proj.weight_grad", "backward")
+            o.in_flight_during("reduce_scatter:dlatent", "q_proj", "backward")
 
 
 @pytest.mark.parametrize("strategy", ["expanded", "latent"])

@@ -1,12 +1,13 @@
 """Fused autograd nodes of the context-parallel MLA schedule, and its recorder markers.
 
-``WaitLinear`` (wait the head→seq exchange of the attention output, then ``o_proj``) and
-``WaitExpand`` (wait the all-gather of ``[latent, k_rope]``, then expand this rank's heads
-with its rows of ``kv_b_proj``) split their backward into the input-gradient matmul, the start
-of the gradient's collective, and the weight-gradient matmul, so that the collective is in
-flight during the weight-gradient matmul. ``mark`` inserts begin/end events around compute
-(only while a recorder is active: no graph nodes otherwise); ``span`` (hp-dtensor's recorder)
-records inside a node.
+``WaitLinearGroups`` (wait the head→seq exchanges of the attention output of G ≥ 1 head
+groups, then ``o_proj``; the pipeline's for every G), ``WaitLinear`` (the same for one
+exchange) and ``WaitExpand`` (wait the all-gather of ``[latent, k_rope]``, then expand this
+rank's heads with its rows of ``kv_b_proj``) split their backward into the input-gradient
+matmul, the start of the gradient's collective(s), and the weight-gradient matmul, so that the
+collectives are in flight during the weight-gradient matmul. ``mark`` inserts begin/end events
+around compute (only while a recorder is active: no graph nodes otherwise); ``span``
+(hp-dtensor's recorder) records inside a node.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def mark(name: str, begin: bool, *xs: Tensor) -> tuple[Tensor, ...]:
 
 # ---- fused wait + matmul nodes with split input/weight gradients ------------------------
 class WaitLinear(Function):
-    """Wait the head→seq exchange of the attention output, then ``o_proj``.
+    """Wait the head→seq exchange of the attention output, then ``o_proj`` (one exchange;
+    the pipeline uses :class:`WaitLinearGroups`, whose one-group case computes the same).
 
     Backward: input-grad matmul, launch the gradient's seq→head exchange (waited by the
     paired launch node), then the weight-grad matmul while it is in flight.
@@ -139,9 +141,10 @@ class WaitExpand(Function):
 
 
 class WaitLinearGroups(Function):
-    """:class:`WaitLinear` over G head groups: wait the G head→seq exchanges of the attention
-    output (``exs[g]`` carries group g, ``[B, S/P, P·hg, dv]``), put the heads back in order
-    (:func:`~hyper_parallel.context_parallel.head_groups.merge_heads`), then ``o_proj``.
+    """:class:`WaitLinear` over G ≥ 1 head groups: wait the G head→seq exchanges of the
+    attention output (``exs[g]`` carries group g, ``[B, S/P, P·hg, dv]``), put the heads back in
+    order (:func:`~hyper_parallel.context_parallel.head_groups.merge_heads`; G = 1: as it
+    came), then ``o_proj``.
 
     Backward: the input-grad matmul, then the G gradient exchanges started last group first
     (the order in which autograd's backward of the groups needs them), then the weight-grad
@@ -158,7 +161,7 @@ class WaitLinearGroups(Function):
         *tokens: Tensor,
     ) -> Tensor:
         parts = [ex.finish() for ex in exs]
-        a = merge_heads(parts, cp_size)
+        a = parts[0] if len(parts) == 1 else merge_heads(parts, cp_size)  # one group: no copy
         ctx.a_dtype = a.dtype
         with span("o_proj", "forward"):
             a, weight, bias = cast_for_autocast(a.device.type, a.flatten(2), weight, bias)

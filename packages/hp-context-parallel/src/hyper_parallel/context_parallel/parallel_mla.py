@@ -4,31 +4,17 @@ Rank r of the P-rank CP mesh holds tokens ``[r·S/P, (r+1)·S/P)``; the rewritte
 ``[B, S/P, D]`` and returns the same rows of the serial output (RoPE at global positions).
 The module may be this package's ``MultiHeadLatentAttention`` or a Hugging Face
 ``DeepseekV3Attention`` / ``KimiLinearAttention``: a family adapter (``families.py``) says how
-to call and rotate it; the schedule below is the same for all of them. Each call is first
-admitted by every rank on its own, without communicating (``admission.py``; the ranks compare
-their calls only in consistency mode), so a forward issues only the collectives below.
+to call and rotate it; the schedule is the same for all of them. Each call is first admitted
+by every rank on its own, without communicating (``admission.py``; the ranks compare their
+calls only in consistency mode), so a forward issues only the schedule's collectives.
 
-Schedules with ``overlap=True`` (``overlap=False``: the same math, blocking collectives).
+The schedule is one pipeline for G ≥ 1 head groups (``pipeline.py``, its order described
+there), with the strategy's K/V side — ``expanded`` or ``latent``, the classes of
+``strategies.STRATEGY_CLASSES`` — plugged in; this module admits the call, picks G and
+installs / undoes the rewrite.
 
-expanded — forward: KV projection; launch a2a K, V; Q projection (K/V in flight); launch a2a
-Q; wait K, V, Q; attention; launch a2a O (head→seq); ``o_proj`` waits it. Backward: ``o_proj``
-input-grad matmul; launch a2a dO; ``o_proj`` weight-grad matmul; wait dO; attention backward;
-launch a2a dQ, dV, dK; wait dQ; Q projection backward (dK, dV in flight); wait dV, dK; KV
-projection backward.
-
-latent — forward: latent projection (``kv_a_proj_with_mqa`` + norm + RoPE); launch the
-all-gather of ``[latent, k_rope]`` (dc + dr values per token); Q projection (gather in
-flight); launch a2a Q; wait the gather and expand this rank's heads with its rows of
-``kv_b_proj`` (Q in flight); wait Q; attention; O as above. Backward: ``o_proj`` as above;
-attention backward; launch a2a dQ; ``kv_b_proj`` input-grad matmul; launch the
-reduce-scatter (sum) of the latent's gradient; ``kv_b_proj`` weight-grad matmul (dQ and the
-reduce-scatter in flight); wait dQ; Q projection backward (reduce-scatter in flight); wait
-the reduce-scatter; latent projection backward.
-
-Each overlapped collective is a pair of autograd nodes (launch, wait); autograd's ready
-queue runs the later-created independent nodes between them. Partial ``torch.autograd.grad``
-calls that prune one node of a pair are unsupported; the leaked collective is reported at
-the next forward.
+Partial ``torch.autograd.grad`` calls that prune one node of an overlapped launch/wait pair are
+unsupported; the leaked collective is reported at the next forward.
 """
 
 from __future__ import annotations
@@ -40,25 +26,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyper_parallel.context_parallel.admission import admit
-from hyper_parallel.context_parallel.attention import attend
-from hyper_parallel.context_parallel.exchange import Exchange, blocking, launch, wait
 from hyper_parallel.context_parallel.families import MLACall, MLAFamily, find_family
-from hyper_parallel.context_parallel.fused import WaitExpand, WaitLinear, WaitLinearGroups, mark
-from hyper_parallel.context_parallel.head_groups import (
-    HeadGroups,
-    choose_head_groups,
-    split_heads,
-)
-from hyper_parallel.context_parallel.mla import (
-    MLAConfig,
-    Rope,
-    expand_kv,
-    kv_heads,
-    project_latent,
-    project_q,
-    split_kv,
-)
-from hyper_parallel.context_parallel.transport import BLOCK_OWNER, Group, resolve_group
+from hyper_parallel.context_parallel.head_groups import HeadGroups, choose_head_groups
+from hyper_parallel.context_parallel.mla import MLAConfig
+from hyper_parallel.context_parallel.pipeline import Pipeline, run_pipeline
+from hyper_parallel.context_parallel.strategies import STRATEGY_CLASSES
+from hyper_parallel.context_parallel.transport import Group, resolve_group
 from hyper_parallel.dtensor import DeviceMesh
 from hyper_parallel.dtensor.rewrite import (
     install_forward,
@@ -76,7 +49,7 @@ __all__ = [
     "unparallelize_mla",
 ]
 
-STRATEGIES = ("expanded", "latent")
+STRATEGIES = tuple(STRATEGY_CLASSES)  # ("expanded", "latent"): strategies.py is the registry
 _M = TypeVar("_M", bound=nn.Module)
 LAYER = "parallelize_mla"  # the name this rewrite is installed under (hp-dtensor's rewrite)
 
@@ -100,7 +73,7 @@ class _CPState:
         return self.group.rank
 
 
-# ---- the schedule -------------------------------------------------------------------------
+# ---- the forward --------------------------------------------------------------------------
 def _run(m: Any, call: MLACall) -> Tensor:
     """The rewritten forward of every family: ``call.hidden_states [B, S/P, D] -> [B, S/P, D]``."""
     st: _CPState = parallel_state(m, LAYER)
@@ -114,71 +87,9 @@ def _run(m: Any, call: MLACall) -> Tensor:
     adm = admit(m, fam, c, call, st.group, options)  # local; agreement in consistency mode
     x: Tensor = call.hidden_states
     rope = fam.rope(m, call, st.rank * adm.s_local, c)
-    scale = fam.scale(m)
-    h = c.num_heads // st.size
-    width = c.qk_nope_head_dim + c.v_head_dim  # kv_b_proj rows per head
-
-    def a2a(name: str, kind: Any = "s2h") -> Exchange:  # [B, S(/P), H(/P), d]: seq 1, heads 2
-        return Exchange(kind, st.group, 1, 2, f"a2a:{name}", BLOCK_OWNER)
-
     groups = _head_groups(st, x, c).count
-    if groups > 1:
-        return _run_groups(m, st, x, rope, scale, adm, groups)
-
-    if st.strategy == "expanded":
-        (xk,) = mark("kv_proj", True, x)
-        k, v = expand_kv(c, project_latent(m, c, xk, rope), m.kv_b_proj.weight)
-        k, v = mark("kv_proj", False, k, v)
-        if st.overlap:
-            ek, ev = a2a("k"), a2a("v")
-            tk, tv = launch(k, ek), launch(v, ev)
-        else:
-            k_h, v_h = blocking(k, a2a("k")), blocking(v, a2a("v"))
-        q = _q_branch(m, c, x, rope)
-        if st.overlap:
-            eq = a2a("q")
-            tq = launch(q, eq)
-            k_h, v_h = wait(tk, ek), wait(tv, ev)
-            q_h = wait(tq, eq)
-        else:
-            q_h = blocking(q, a2a("q"))
-    else:
-        (xk,) = mark("kv_a_proj", True, x)
-        lat = project_latent(m, c, xk, rope)
-        (lat,) = mark("kv_a_proj", False, lat)
-        eg = Exchange("ag", st.group, 1, -1, "all_gather:latent", BLOCK_OWNER)
-        rows = slice(st.rank * h * width, (st.rank + 1) * h * width)  # this rank's heads
-        w = m.kv_b_proj.weight
-        if st.overlap:
-            tg = launch(lat, eg)
-            q = _q_branch(m, c, x, rope)
-            eq = a2a("q")
-            tq = launch(q, eq)
-            kv, k_rope = WaitExpand.apply(tg, w, eg, rows, c.kv_lora_rank, width)
-            k_h, v_h = split_kv(c, kv, k_rope)
-            q_h = wait(tq, eq)
-        else:
-            full = blocking(lat, eg)
-            q = _q_branch(m, c, x, rope)
-            q_h = blocking(q, a2a("q"))
-            (full,) = mark("kv_b_proj", True, full)
-            lat_full, k_rope = full.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-            k_h, v_h = split_kv(c, kv_heads(lat_full, w[rows], width), k_rope)
-            k_h, v_h = mark("kv_b_proj", False, k_h, v_h)
-
-    q_h, k_h, v_h = mark("attention", True, q_h, k_h, v_h)
-    # causal, or document-causal from the global table; sdpa or the NPU's fused attention
-    o_h = attend(q_h, k_h, v_h, scale, adm.documents, offsets=adm.offsets)
-    (o_h,) = mark("attention", False, o_h)
-    eo = a2a("o", "h2s")
-    if st.overlap:
-        to = launch(o_h, eo)
-        return WaitLinear.apply(to, m.o_proj.weight, m.o_proj.bias, eo, c.v_head_dim)
-    o = blocking(o_h, eo)
-    (o,) = mark("o_proj", True, o)
-    y = m.o_proj(o.flatten(2))
-    (y,) = mark("o_proj", False, y)
-    return y
+    pl = Pipeline(m, c, st.group, groups, st.overlap)
+    return run_pipeline(pl, st.strategy, x, rope, fam.scale(m), adm)
 
 
 def _head_groups(st: _CPState, x: Tensor, c: MLAConfig) -> HeadGroups:
@@ -196,80 +107,6 @@ def _head_groups(st: _CPState, x: Tensor, c: MLAConfig) -> HeadGroups:
         x.device.type,
         st.overlap,
     )
-
-
-def _run_groups(
-    m: Any, st: _CPState, x: Tensor, rope: Rope | None, scale: float, adm: Any, groups: int
-) -> Tensor:
-    """The head-group pipeline (``overlap=True``, G > 1 groups of ``hg = h/G`` heads).
-
-    Forward: the exchanges of group 0 are launched first, then those of every later group, so
-    that each group's are in flight while the groups before it attend; group g's output
-    exchange is launched right after its attention and is in flight under the attention of
-    group g+1; ``o_proj`` waits them all (:class:`WaitLinearGroups`). Backward (autograd runs
-    the groups last to first): every dO exchange is started at once, last group first, under
-    ``o_proj``'s weight-grad matmul; each group's dQ/dK/dV exchanges start right after its
-    attention backward and are in flight under the attention backward of the groups before it.
-    """
-    c, p = st.dims, st.size
-    h = c.num_heads // p
-    hg = h // groups
-    width = c.qk_nope_head_dim + c.v_head_dim
-
-    def a2a(name: str, g: int, kind: Any = "s2h") -> Exchange:
-        return Exchange(kind, st.group, 1, 2, f"a2a:{name}{g}", BLOCK_OWNER)
-
-    eq = [a2a("q", g) for g in range(groups)]
-    if st.strategy == "expanded":
-        (xk,) = mark("kv_proj", True, x)
-        k, v = expand_kv(c, project_latent(m, c, xk, rope), m.kv_b_proj.weight)
-        k, v = mark("kv_proj", False, k, v)
-        ks, vs = split_heads(k, p, groups), split_heads(v, p, groups)
-        ek, ev = [a2a("k", g) for g in range(groups)], [a2a("v", g) for g in range(groups)]
-        tk, tv = [launch(ks[0], ek[0])], [launch(vs[0], ev[0])]
-        qs = split_heads(_q_branch(m, c, x, rope), p, groups)  # K0, V0 in flight
-        tq = [launch(qs[0], eq[0])]
-        for g in range(1, groups):
-            tk.append(launch(ks[g], ek[g]))
-            tv.append(launch(vs[g], ev[g]))
-            tq.append(launch(qs[g], eq[g]))
-    else:
-        (xk,) = mark("kv_a_proj", True, x)
-        lat = project_latent(m, c, xk, rope)
-        (lat,) = mark("kv_a_proj", False, lat)
-        eg = Exchange("ag", st.group, 1, -1, "all_gather:latent", BLOCK_OWNER)
-        tg = launch(lat, eg)
-        qs = split_heads(_q_branch(m, c, x, rope), p, groups)  # the gather in flight
-        tq = [launch(qs[g], eq[g]) for g in range(groups)]
-        full = wait(tg, eg)
-        lat_full, k_rope = full.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        rows = m.kv_b_proj.weight[st.rank * h * width : (st.rank + 1) * h * width]
-        w_groups = rows.view(groups, hg * width, c.kv_lora_rank).unbind(0)
-
-    eo = [a2a("o", g, "h2s") for g in range(groups)]
-    to = []
-    for g in range(groups):
-        if st.strategy == "expanded":
-            k_h, v_h = wait(tk[g], ek[g]), wait(tv[g], ev[g])
-        else:
-            # expand group g's heads before waiting its Q, so the expansion runs under it and,
-            # in backward, the dQ exchange starts before the expansion's backward
-            (lat_g,) = mark(f"kv_b_proj.g{g}", True, lat_full)
-            k_h, v_h = split_kv(c, kv_heads(lat_g, w_groups[g], width), k_rope)
-            k_h, v_h = mark(f"kv_b_proj.g{g}", False, k_h, v_h)
-        q_h = wait(tq[g], eq[g])
-        q_h, k_h, v_h = mark(f"attention.g{g}", True, q_h, k_h, v_h)
-        o_h = attend(q_h, k_h, v_h, scale, adm.documents, offsets=adm.offsets)
-        (o_h,) = mark(f"attention.g{g}", False, o_h)
-        to.append(launch(o_h, eo[g]))
-    return WaitLinearGroups.apply(m.o_proj.weight, m.o_proj.bias, tuple(eo), p, *to)
-
-
-def _q_branch(m: Any, c: MLAConfig, x: Tensor, rope: Rope | None) -> Tensor:
-    (xq,) = mark("q_proj", True, x)
-    q = project_q(m, c, xq, rope)
-    (q,) = mark("q_proj", False, q)
-    return q
 
 
 # ---- the transactional rewrite ------------------------------------------------------------
@@ -375,8 +212,9 @@ def parallelize_mla(
     given it); tables differing across ranks are detected in consistency mode.
 
     ``strategy``: ``"expanded"`` (a2a of Q, K and V) or ``"latent"`` (a2a of Q, all-gather of
-    the ``kv_lora_rank + qk_rope_head_dim`` latent). ``overlap``: overlap collectives with
-    projection compute (see the module docstring) or run them blocking.
+    the ``kv_lora_rank + qk_rope_head_dim`` latent; ``strategies.py``). ``overlap``: overlap
+    collectives with projection and attention compute (the schedule: ``pipeline.py``) or run
+    them blocking.
     ``head_groups``: ``"auto"`` (the default), ``1`` (one exchange per tensor), an int ``G``
     dividing ``num_heads / P``
     (the head-group pipeline, ``overlap=True`` only: the exchanges of each group of heads are
