@@ -103,7 +103,9 @@ def _run(world_size: int) -> dict[str, Any]:
     for kind in KINDS:
         for cp, tp in SHAPES[world_size]:
             mesh = unflatten(world, "world", (cp, tp), ("cp", "tp"))
-            model = parallelize_model(tiny_model(kind), mesh, grad_reduction="allreduce")
+            # the first mesh shape also splits the MoE experts over every rank (hp-moe)
+            ep = world_size if (cp, tp) == SHAPES[world_size][0] else 1
+            model = parallelize_model(tiny_model(kind), mesh, grad_reduction="allreduce", ep=ep)
             seen: dict[str, tuple[int, ...]] = {}
             hooks = []
             for name, mod in model.named_modules():
