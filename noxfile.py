@@ -1,17 +1,24 @@
-"""Sessions for the hyper-parallel layers monorepo.
+"""Sessions for the hyper-parallel layers monorepo (the package list comes from
+packages/*/pyproject.toml: six packages today).
 
-    nox                         the default set CI runs: tests (each package alone), integration,
-                                lint, pins
+    nox                         the default set CI runs (``python3 tools/dev.py test`` runs it in
+                                three lanes): tests, integration, lint, pins, lowest,
+                                wheelhouse, compat_ci
     nox -s tests                every package's tests, each in its own venv with only that package
                                 and the siblings it declares
     nox -s "tests(package='hp-mc2')"   one package
-    nox -s integration          all four packages together (tests/integration)
-    nox -s lint                 ruff, mypy, sibling pins, namespace guard
+    nox -s integration          every package together (tests/integration), consistency checks on
+    nox -s lint                 ruff, mypy, import-linter layering, repository checks, release
+                                policy, the tools' own tests
     nox -s pins                 build every wheel with hatch, install offline from that
                                 wheelhouse, pip check
+    nox -s lowest               each package's tests against the lowest sibling releases its pins
+                                admit
+    nox -s wheelhouse           every wheel the integration session needs, for an offline CI
     nox -s bench [-- hp-mc2 ... --quick]  benchmarks (all packages, or the ones named);
                                 writes bench-results/ and docs/benchmarks.{md,png}
     nox -s demo [-- args]       the main job (examples/train_hybrid.py)
+    nox -s release -- DIST      release one package (RELEASING.md)
     nox -s compat -- 2.10.0 [--keep]  the compact cross-version selection on one torch release
                                 (tools/compat.py, docs/compatibility.md); compat_ci (default):
                                 on the declared floor and the newest torch
@@ -131,7 +138,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session(venv_params=_venv_params())
 def integration(session: nox.Session) -> None:
-    """All packages together (tests/integration, tests/integration/test_main_job.py: the main
+    """Every package together (tests/integration, tests/integration/test_main_job.py: the main
     job's failure paths); HCCL/NCCL where the hardware is."""
     # hp-models pulls in every layer (without their test extras): flash-linear-attention, which
     # hp-kda-kernels' own tests use, must not be importable here, or transformers would route
