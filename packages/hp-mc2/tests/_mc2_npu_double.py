@@ -1,8 +1,8 @@
-"""A test double of torch_npu's two MC2 kernels, for driving the ``npu`` backend on CPU.
+"""A test double of torch_npu's two MC2 kernels, for driving the ``npu`` implementation on CPU.
 
 Same signatures as torch_npu 2.14 (positional ``input, x2, hcom, world_size``, everything
 after ``world_size`` keyword-only), the same constraint checks with the same wording as
-``hyper_parallel.mc2.backend.npu_constraint_failure``, real gloo communication underneath
+``hyper_parallel.mc2.npu_constraint_failure``, real gloo communication underneath
 (``hcom`` names map back to process groups) and fp32 compute. It is written independently of
 the package's checks so a test comparing the two catches drift. Every call is recorded, so
 tests can assert which operand was transposed and which keywords were passed.

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from _mc2_testutil import rank_and_size, seeded
 
 import hyper_parallel.mc2._chunked as chunked_mod
-import hyper_parallel.mc2.gated as gated_mod
+import hyper_parallel.mc2._pipeline as pipeline_mod
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.mc2 import default_chunks, gated_mlp, gated_mlp_reference
 
@@ -59,7 +59,7 @@ def _errors(chunks: int, need: set[str]) -> list[float]:
 def _launch_order(chunks: int) -> list[str]:
     """The sequence of collectives one forward + backward launches ("ag" / "rs")."""
     order: list[str] = []
-    ag, rs = chunked_mod.all_gather_async, gated_mod.reduce_scatter_async
+    ag, rs = chunked_mod.all_gather_async, pipeline_mod.reduce_scatter_async
 
     def rec_ag(*a: Any) -> Any:
         order.append("ag")
@@ -69,11 +69,11 @@ def _launch_order(chunks: int) -> list[str]:
         order.append("rs")
         return rs(*a)
 
-    chunked_mod.all_gather_async, gated_mod.reduce_scatter_async = rec_ag, rec_rs
+    chunked_mod.all_gather_async, pipeline_mod.reduce_scatter_async = rec_ag, rec_rs
     try:
         _run(gated_mlp, chunks, set(NAMES))
     finally:
-        chunked_mod.all_gather_async, gated_mod.reduce_scatter_async = ag, rs
+        chunked_mod.all_gather_async, pipeline_mod.reduce_scatter_async = ag, rs
     return order
 
 

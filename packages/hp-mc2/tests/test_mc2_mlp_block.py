@@ -390,7 +390,7 @@ def _run_subset(fn: Any, chunks: int, need: tuple[bool, ...]) -> list[Any]:
 
 def _subsets_and_order() -> dict[str, Any]:
     import hyper_parallel.mc2._chunked as chunked_mod
-    import hyper_parallel.mc2.gated as gated_mod
+    import hyper_parallel.mc2._pipeline as pipeline_mod
 
     res: dict[str, Any] = {}
     for chunks in (1, 2, 3, 5):
@@ -402,16 +402,16 @@ def _subsets_and_order() -> dict[str, Any]:
                 for a, b in zip(got, want)
             ]
     order: list[str] = []
-    ag, rs = chunked_mod.all_gather_async, gated_mod.reduce_scatter_async
+    ag, rs = chunked_mod.all_gather_async, pipeline_mod.reduce_scatter_async
 
     def rec(kind: str, fn: Any) -> Any:
         return lambda *a: (order.append(kind), fn(*a))[1]
 
-    chunked_mod.all_gather_async, gated_mod.reduce_scatter_async = rec("ag", ag), rec("rs", rs)
+    chunked_mod.all_gather_async, pipeline_mod.reduce_scatter_async = rec("ag", ag), rec("rs", rs)
     try:
         _run_subset(mlp_block, 3, (True,) * 5)
     finally:
-        chunked_mod.all_gather_async, gated_mod.reduce_scatter_async = ag, rs
+        chunked_mod.all_gather_async, pipeline_mod.reduce_scatter_async = ag, rs
     res["order"] = order
     return res
 

@@ -4,8 +4,9 @@ collectives) the matmul, in forward and backward; and the gated MLP block
 (``down(act(gate(x)) * up(x))``) with one all-gather shared by gate and up, and the plain MLP
 block (``down(act(up(x)))``), each one pipeline over row chunks."""
 
+from hyper_parallel.mc2._chunked import default_chunks
+from hyper_parallel.mc2._npu_impl import npu_constraint_failure
 from hyper_parallel.mc2._version import __version__
-from hyper_parallel.mc2.backend import default_chunks, npu_constraint_failure, select_backend
 from hyper_parallel.mc2.blocking import (
     all_gather_matmul_reference,
     gated_mlp_reference,
@@ -15,6 +16,7 @@ from hyper_parallel.mc2.blocking import (
 from hyper_parallel.mc2.functional import all_gather_matmul, matmul_reduce_scatter
 from hyper_parallel.mc2.gated import gated_mlp
 from hyper_parallel.mc2.gated_style import MC2GatedMLPParallel
+from hyper_parallel.mc2.impls import select_backend
 from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel
 from hyper_parallel.mc2.mlp import mlp_block
 from hyper_parallel.mc2.mlp_style import MC2MLPParallel

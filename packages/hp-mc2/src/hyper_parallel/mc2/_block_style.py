@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
 from hyper_parallel.dtensor import check_rank_order
-from hyper_parallel.mc2.backend import BACKENDS, dtype_name
+from hyper_parallel.mc2._operands import check_chunks, dtype_name
+from hyper_parallel.mc2.impls import check_impl_choice
 from hyper_parallel.mc2.linear import check_sequence_dim
 
 __all__ = [
@@ -30,12 +31,8 @@ __all__ = [
 def check_style_options(where: str, sequence_dim: Any, impl: Any, chunks: Any) -> None:
     """A block style's ``sequence_dim``, ``impl`` and ``chunks`` (its constructor's checks)."""
     check_sequence_dim(sequence_dim)
-    if impl not in BACKENDS:
-        raise ValueError(f"{where}: impl must be one of {BACKENDS}, got {impl!r}")
-    if chunks is not None and (
-        not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1
-    ):
-        raise ValueError(f"{where}: chunks must be a positive int or None, got {chunks!r}")
+    check_impl_choice(impl, where)
+    check_chunks(chunks, where)
 
 
 def check_tp_mesh(where: str, device_mesh: Any) -> None:

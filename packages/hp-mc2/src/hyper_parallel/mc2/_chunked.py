@@ -1,4 +1,5 @@
-"""The ``torch`` backend: the dim-0 collectives split into chunks and overlapped with matmuls.
+"""The ``torch`` implementation of the two duals: the dim-0 collectives split into chunks and
+overlapped with matmuls, and the chunk count.
 
 Notation (README, "Design"): ``x`` is this rank's ``[m, k]`` rows, ``ws`` the group size,
 ``X = AllGather_m(x)`` the ``[ws·m, k]`` rows of every rank in group-rank order. Each of the
@@ -21,6 +22,23 @@ import torch
 from hyper_parallel.mc2._collectives import all_gather_async, reduce_scatter_async
 
 Splits = list[tuple[int, int]]
+
+
+def default_chunks(rows: int, k: int, n: int, world_size: int, device_type: str = "cpu") -> int:
+    """Chunk count of the ``torch`` implementation for a chunked dim of ``rows`` local rows.
+
+    A pure function of the shapes, the group size and the device type, so every rank of a
+    group computes the same count and runs the same sequence of collectives (a count read
+    from a rank's own CPU affinity or thread count could differ between ranks). Each chunk
+    should still be a matmul worth overlapping: >= 64 rows and >= ~134 MFLOP over all ranks'
+    rows (``2·rows·ws·k·n / chunks >= 2**27``). Within that, at most 8 chunks on CPU (gloo)
+    and 4 on an accelerator. On CPU the cap is what the benchmark's modeled link measured
+    (README, "Chunk count"): 8 chunks hide the most of the link at its shapes (4 and 16
+    within a few percent, 1 and 2 far behind). The accelerators' 4 is not measured here.
+    """
+    flops = 2 * rows * world_size * k * n
+    cap = 8 if device_type == "cpu" else 4
+    return max(1, min(cap, rows // 64, flops // (1 << 27)))
 
 
 def splits(rows: int, chunks: int) -> Splits:

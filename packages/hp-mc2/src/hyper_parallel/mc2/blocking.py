@@ -14,11 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hyper_parallel.dtensor import comm
+from hyper_parallel.mc2._block import validate_block_operands
 from hyper_parallel.mc2._collectives import OWNER, _group, all_gather_async, reduce_scatter_async
 from hyper_parallel.mc2._keywords import impl_keyword
-from hyper_parallel.mc2.backend import validate_operands
-from hyper_parallel.mc2.gated import validate_gated_operands
-from hyper_parallel.mc2.mlp import validate_mlp_operands
+from hyper_parallel.mc2._operands import validate_operands
 
 __all__ = [
     "all_gather_matmul_reference",
@@ -91,9 +90,7 @@ def all_gather_matmul_reference(
     chunks: int | None = None,
 ) -> torch.Tensor:
     """``F.linear(AllGather_m(x), W, b)``; ``impl`` and ``chunks`` are accepted and ignored."""
-    validate_operands(
-        "all_gather_matmul", x, weight, bias, dist.get_world_size(group), "auto", None
-    )
+    validate_operands("all_gather_matmul", x, weight, bias, dist.get_world_size(group), None)
     return F.linear(_AllGatherRows.apply(x, group), weight, bias)
 
 
@@ -109,7 +106,7 @@ def matmul_reduce_scatter_reference(
 ) -> torch.Tensor:
     """``ReduceScatter_m(x @ Wᵀ) + b``; ``impl`` and ``chunks`` are accepted and ignored."""
     ws = dist.get_world_size(group)
-    validate_operands("matmul_reduce_scatter", x, weight, bias, ws, "auto", None)
+    validate_operands("matmul_reduce_scatter", x, weight, bias, ws, None)
     y = _ReduceScatterRows.apply(F.linear(x, weight), group)
     return y if bias is None else y + _SumGradOverRanks.apply(bias, group)
 
@@ -133,19 +130,10 @@ def gated_mlp_reference(
     AllGather_m(x)``, in plain autograd (it saves ``X`` and every intermediate);
     ``impl`` and ``chunks`` are accepted and ignored."""
     ws = dist.get_world_size(group)
-    validate_gated_operands(
-        x,
-        gate_weight,
-        up_weight,
-        down_weight,
-        gate_bias,
-        up_bias,
-        down_bias,
-        act_fn,
-        ws,
-        "auto",
-        None,
-    )
+    validate_block_operands(
+        "gated_mlp", x, (gate_weight, up_weight), (gate_bias, up_bias), down_weight, down_bias,
+        act_fn, ws, "auto", None,
+    )  # fmt: skip
     big_x = _AllGatherRows.apply(x, group)
     h = act_fn(F.linear(big_x, gate_weight, gate_bias)) * F.linear(big_x, up_weight, up_bias)
     return matmul_reduce_scatter_reference(h, down_weight, group, bias=down_bias)
@@ -168,6 +156,8 @@ def mlp_block_reference(
     autograd (it saves ``X`` and every intermediate); ``impl`` and ``chunks`` are accepted and
     ignored."""
     ws = dist.get_world_size(group)
-    validate_mlp_operands(x, up_weight, down_weight, up_bias, down_bias, act_fn, ws, "auto", None)
+    validate_block_operands(
+        "mlp_block", x, (up_weight,), (up_bias,), down_weight, down_bias, act_fn, ws, "auto", None
+    )
     h = act_fn(all_gather_matmul_reference(x, up_weight, group, bias=up_bias))
     return matmul_reduce_scatter_reference(h, down_weight, group, bias=down_bias)

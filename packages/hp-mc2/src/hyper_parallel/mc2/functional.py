@@ -9,10 +9,12 @@ gathers concatenate in group-rank order along dim 0.
   backward ``dY_full = AllGather_m(dY)``, ``dX = dY_full @ W``, ``dW = dY_fullᵀ @ x``,
   ``db = Σ_m dY_full``.
 
-The ``torch`` backend splits the gathered/scattered dim into chunks and runs the async
-collective of one chunk while the matmul of another computes. The ``npu`` backend calls the
-fused torch_npu kernels through :mod:`hyper_parallel.mc2.npu_ops`. Bias is always added
-outside the collective (the NPU kernels only accept a zero bias).
+Each dual is one autograd function that calls the chosen implementation's methods
+(:class:`~hyper_parallel.mc2.impls.MC2Impl`: ``column_forward``/``column_backward``,
+``row_forward``/``row_backward``): ``torch`` splits the gathered/scattered dim into chunks and
+runs the async collective of one chunk while the matmul of another computes, ``npu`` calls the
+fused torch_npu kernels. Bias is always added here, outside the collective (the NPU kernels
+only accept a zero bias).
 """
 
 from __future__ import annotations
@@ -24,23 +26,12 @@ import torch.distributed as dist
 
 from hyper_parallel.dtensor.amp import autocast_off, cast_for_autocast, without_autocast
 from hyper_parallel.dtensor.consistency import checked_entry
-from hyper_parallel.mc2._chunked import (
-    gather_matmuls,
-    matmul_reduce_scatter_bwd,
-    matmul_reduce_scatter_fwd,
-    matmuls_reduce_scatter_grads,
-    splits,
-)
+from hyper_parallel.mc2._chunked import default_chunks
 from hyper_parallel.mc2._keywords import impl_keyword
-from hyper_parallel.mc2.backend import default_chunks, select_backend, validate_operands
-from hyper_parallel.mc2.npu_ops import current_npu_ops
+from hyper_parallel.mc2._operands import validate_operands
+from hyper_parallel.mc2.impls import IMPLS, Call, MC2Impl, check_impl_choice, select_impl
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
-
-
-# ---------------------------------------------------------------------------------------------
-# autograd functions (dispatching to the torch or npu backend)
-# ---------------------------------------------------------------------------------------------
 
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -50,61 +41,30 @@ class _AllGatherMatmul(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        group: Any,
-        backend: str,
-        chunks: int,
+        impl: MC2Impl,
+        call: Call,
     ) -> torch.Tensor:
-        ws = dist.get_world_size(group)
-        x = x.contiguous()
-        weight = weight.contiguous()
-        ctx.group, ctx.ws, ctx.backend, ctx.has_bias = group, ws, backend, bias is not None
-        if backend == "npu":
-            ops = current_npu_ops()
-            hcom = ops.comm_name(group)
-            y, gathered = ops.npu_all_gather_base_mm(
-                x, weight.t(), hcom, ws, bias=None, gather_index=0, gather_output=True
-            )
-            ctx.ops, ctx.hcom = ops, hcom
-            parts = [gathered.view(ws, x.shape[0], x.shape[1])]
-            ctx.splits = [(0, x.shape[0])]
-        else:
-            ctx.splits = splits(x.shape[0], chunks)
-            (y,), parts = gather_matmuls(
-                x, [weight], group, ws, ctx.splits, keep=ctx.needs_input_grad[1]
-            )
+        x, weight = x.contiguous(), weight.contiguous()
+        y, kept, ctx.state = impl.column_forward(call, x, weight, keep_x=ctx.needs_input_grad[1])
+        ctx.impl = impl
         if bias is not None:
             y.add_(bias)
-        ctx.save_for_backward(weight, *(parts if ctx.needs_input_grad[1] else ()))
+        ctx.save_for_backward(weight, *kept)
         return y
 
     @staticmethod
     @without_autocast
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        weight, *parts = ctx.saved_tensors
+        weight, *kept = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
         dx = dw = None
-        if ctx.backend == "npu":
-            if need_dx:
-                dx = ctx.ops.npu_mm_reduce_scatter_base(
-                    dy, weight, ctx.hcom, ctx.ws, reduce_op="sum", bias=None
-                )
-            if need_dw:
-                dw = dy.t() @ parts[0].view(-1, weight.shape[1])
-        elif need_dx or need_dw:
-            dx, (dw,) = matmuls_reduce_scatter_grads(
-                [dy],
-                [weight],
-                None,
-                parts,
-                ctx.group,
-                ctx.ws,
-                ctx.splits,
-                need_dx=need_dx,
-                need_dw=[need_dw],
+        if need_dx or need_dw:
+            dx, dw = ctx.impl.column_backward(
+                ctx.state, dy, weight, kept, need_dx=need_dx, need_dw=need_dw
             )
         db = dy.sum(0) if need_db else None
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
@@ -114,22 +74,12 @@ class _MatmulReduceScatter(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        group: Any,
-        backend: str,
-        chunks: int,
+        impl: MC2Impl,
+        call: Call,
     ) -> torch.Tensor:
-        ws = dist.get_world_size(group)
-        x = x.contiguous()
-        weight = weight.contiguous()
-        ctx.group, ctx.ws, ctx.backend = group, ws, backend
-        if backend == "npu":
-            ops = current_npu_ops()
-            hcom = ops.comm_name(group)
-            y = ops.npu_mm_reduce_scatter_base(x, weight.t(), hcom, ws, reduce_op="sum", bias=None)
-            ctx.ops, ctx.hcom = ops, hcom
-        else:
-            ctx.splits = splits(x.shape[0] // ws, chunks)
-            y = matmul_reduce_scatter_fwd(x, weight, group, ws, ctx.splits)
+        x, weight = x.contiguous(), weight.contiguous()
+        y, ctx.state = impl.row_forward(call, x, weight)
+        ctx.impl = impl
         if bias is not None:
             y.add_(bias)
         ctx.save_for_backward(x, weight)
@@ -142,27 +92,11 @@ class _MatmulReduceScatter(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
         dx = dw = db = None
-        if ctx.backend == "npu":
-            if need_dx or need_dw or need_db:
-                dx, dy_full = ctx.ops.npu_all_gather_base_mm(
-                    dy, weight, ctx.hcom, ctx.ws, bias=None, gather_index=0, gather_output=True
-                )
-                dw = dy_full.t() @ x if need_dw else None
-                db = dy_full.sum(0) if need_db else None
-                dx = dx if need_dx else None
-        elif need_dx or need_dw or need_db:
-            dx, dw, db = matmul_reduce_scatter_bwd(
-                dy,
-                x,
-                weight,
-                ctx.group,
-                ctx.ws,
-                ctx.splits,
-                need_dx=need_dx,
-                need_dw=need_dw,
-                need_db=need_db,
+        if need_dx or need_dw or need_db:
+            dx, dw, db = ctx.impl.row_backward(
+                ctx.state, dy, x, weight, need_dx=need_dx, need_dw=need_dw, need_db=need_db
             )
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None
 
 
 def _prepare(
@@ -171,14 +105,15 @@ def _prepare(
     weight: torch.Tensor,
     group: Any,
     bias: torch.Tensor | None,
-    backend: str,
+    impl: str,
     chunks: int | None,
 ) -> tuple[str, int]:
-    """Validate (local, the same on every rank for same-shaped operands), choose the backend
-    and the chunk count."""
+    """Validate (local, the same on every rank for same-shaped operands), choose the
+    implementation and the chunk count."""
     ws = dist.get_world_size(group)
-    validate_operands(op, x, weight, bias, ws, backend, chunks)
-    choice, _ = select_backend(op, x, weight, group, impl=backend)
+    check_impl_choice(impl)
+    validate_operands(op, x, weight, bias, ws, chunks)
+    choice, _ = select_impl(impl, op, lambda i: i.failure(op, x, weight, group))
     if chunks is None:
         rows = x.shape[0] if op == "all_gather_matmul" else x.shape[0] // ws
         chunks = default_chunks(rows, x.shape[1], weight.shape[0], ws, x.device.type)
@@ -191,18 +126,18 @@ def dual_fields(
     weight: Any,
     group: Any,
     bias: Any,
-    backend: str,
+    impl: str,
     chunks: int | None,
 ) -> dict[str, Any]:
     """What the ranks compare for one dual (consistency mode): the operands as the dual sees
-    them (under autocast: cast), the chosen backend, the chunk count and the group size. Never
-    raises: operands the dual will reject give ``"<ErrorType>"`` as the choice (the body then
-    raises the same error on every rank that agreed)."""
+    them (under autocast: cast), the chosen implementation, the chunk count and the group size.
+    Never raises: operands the dual will reject give ``"<ErrorType>"`` as the choice (the body
+    then raises the same error on every rank that agreed)."""
     ws: Any = None
     try:
         ws = dist.get_world_size(group)
         x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
-        choice, chunks = _prepare(op, x, weight, group, bias, backend, chunks)
+        choice, chunks = _prepare(op, x, weight, group, bias, impl, chunks)
     except Exception as exc:  # rejected by the body, after the comparison
         choice = f"<{type(exc).__name__}>"
     return {
@@ -211,18 +146,34 @@ def dual_fields(
     }  # fmt: skip
 
 
+def _run(
+    fn: Any,
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: Any,
+    bias: torch.Tensor | None,
+    impl: str,
+    chunks: int | None,
+) -> torch.Tensor:
+    """The autograd function ``fn`` of ``op`` with the chosen implementation; under autocast
+    the operands in its dtype and the function with autocast off (``dtensor.amp``)."""
+    x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
+    choice, chunks = _prepare(op, x, weight, group, bias, impl, chunks)
+    call = Call(group, dist.get_world_size(group), chunks)
+    with autocast_off(x.device.type):
+        return fn.apply(x, weight, bias, IMPLS[choice], call)
+
+
 def _column(
     x: torch.Tensor,
     weight: torch.Tensor,
     group: Any,
     bias: torch.Tensor | None,
-    backend: str,
+    impl: str,
     chunks: int | None,
 ) -> torch.Tensor:
-    x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
-    choice, chunks = _prepare("all_gather_matmul", x, weight, group, bias, backend, chunks)
-    with autocast_off(x.device.type):
-        return _AllGatherMatmul.apply(x, weight, bias, group, choice, chunks)
+    return _run(_AllGatherMatmul, "all_gather_matmul", x, weight, group, bias, impl, chunks)
 
 
 def _row(
@@ -230,13 +181,10 @@ def _row(
     weight: torch.Tensor,
     group: Any,
     bias: torch.Tensor | None,
-    backend: str,
+    impl: str,
     chunks: int | None,
 ) -> torch.Tensor:
-    x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
-    choice, chunks = _prepare("matmul_reduce_scatter", x, weight, group, bias, backend, chunks)
-    with autocast_off(x.device.type):
-        return _MatmulReduceScatter.apply(x, weight, bias, group, choice, chunks)
+    return _run(_MatmulReduceScatter, "matmul_reduce_scatter", x, weight, group, bias, impl, chunks)
 
 
 def _fields_of(op: str) -> Any:
@@ -274,8 +222,9 @@ def all_gather_matmul(
         group: the tensor-parallel process group (``None``: the default group).
         bias: ``[n_local]``, this rank's bias shard, or ``None``.
         impl: the matmul+collective implementation, ``"auto"``, ``"torch"`` or ``"npu"``
-            (see :func:`select_backend`; ``backend=`` is its deprecated name).
-        chunks: ``torch`` backend only: number of pieces ``m`` is split into so the gather of
+            (see :func:`~hyper_parallel.mc2.select_backend`; ``backend=`` is its deprecated
+            name).
+        chunks: ``torch`` implementation only: number of pieces ``m`` is split into so the gather of
             one overlaps the matmul of another (``None``: chosen from the shapes; 1: no overlap).
 
     Returns:
@@ -311,7 +260,7 @@ def matmul_reduce_scatter(
         group: the tensor-parallel process group (``None``: the default group).
         bias: ``[n]``, the full bias, replicated on every rank, or ``None``.
         impl: ``"auto"``, ``"torch"`` or ``"npu"`` (``backend=``: deprecated name).
-        chunks: ``torch`` backend only: number of pieces each rank's ``m/ws`` output rows are
+        chunks: ``torch`` implementation only: number of pieces each rank's ``m/ws`` output rows are
             split into (``None``: chosen from the shapes).
 
     Returns:

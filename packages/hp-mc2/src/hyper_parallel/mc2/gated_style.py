@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from hyper_parallel.dtensor.amp import cast_for_autocast
 from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized, parallel_state
+from hyper_parallel.mc2._block import block_fields, run_block
 from hyper_parallel.mc2._block_style import (
     check_input,
     check_linears,
@@ -34,7 +35,6 @@ from hyper_parallel.mc2._block_style import (
 )
 from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.activation import check_elementwise_activation
-from hyper_parallel.mc2.gated import gated_fields, run_gated_mlp
 
 __all__ = ["MC2GatedMLPParallel"]
 
@@ -76,13 +76,16 @@ def _operands(self: nn.Module, plan: _GatedPlan) -> tuple[Any, Any]:
 
 def _forward_fields(self: nn.Module, x: Any) -> tuple[Any, dict[str, Any]]:
     """What the ranks compare before the forward's first collective: the input block,
-    ``sequence_dim`` and :func:`~hyper_parallel.mc2.gated.gated_fields` on its rows."""
+    ``sequence_dim`` and :func:`~hyper_parallel.mc2._block.block_fields` on its rows."""
     plan = cast(_GatedPlan, parallel_state(self, LAYER))
     weights, biases = _operands(self, plan)
     fields: dict[str, Any] = {"input": x, "sequence_dim": plan.sequence_dim}
     rows = rows_of(x, plan.sequence_dim)
     act = getattr(self, "act_fn", None)
-    fields.update(gated_fields(rows, weights, biases, plan.group, act, plan.impl, plan.chunks))
+    (wg, wu, wd), (bg, bu, bd) = weights, biases
+    fields.update(
+        block_fields(rows, (wg, wu), (bg, bu), wd, bd, plan.group, act, plan.impl, plan.chunks)
+    )
     return plan.group, fields
 
 
@@ -98,8 +101,8 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return on_rows(
         x,
         seq,
-        lambda rows: run_gated_mlp(
-            rows, (wg, wu, wd), (bg, bu, bd), plan.group, act, plan.impl, plan.chunks
+        lambda rows: run_block(
+            rows, (wg, wu), (bg, bu), wd, bd, plan.group, act, plan.impl, plan.chunks
         ),
     )
 

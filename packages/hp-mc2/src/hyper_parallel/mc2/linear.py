@@ -23,8 +23,9 @@ from hyper_parallel.dtensor.rewrite import (
     uninstall_forward,
 )
 from hyper_parallel.mc2._keywords import impl_keyword
-from hyper_parallel.mc2.backend import BACKENDS, dtype_name
+from hyper_parallel.mc2._operands import check_chunks, dtype_name
 from hyper_parallel.mc2.functional import _column, _row, dual_fields
+from hyper_parallel.mc2.impls import check_impl_choice
 
 __all__ = ["MC2Linear", "MC2Parallel"]
 
@@ -74,12 +75,8 @@ class MC2Parallel:
         if self.mode not in ("column", "row"):
             raise ValueError(f"mode must be 'column' or 'row', got {self.mode!r}")
         check_sequence_dim(self.sequence_dim)
-        if self.impl not in BACKENDS:
-            raise ValueError(f"impl must be one of {BACKENDS}, got {self.impl!r}")
-        if self.chunks is not None and (
-            not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1
-        ):
-            raise ValueError(f"chunks must be a positive int or None, got {self.chunks!r}")
+        check_impl_choice(self.impl)
+        check_chunks(self.chunks)
 
 
 def check_sequence_dim(sequence_dim: Any) -> None:

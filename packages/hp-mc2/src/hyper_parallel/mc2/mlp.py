@@ -1,5 +1,5 @@
-"""The plain (non-gated) MLP block of a tensor + sequence parallel layer as one autograd
-function: ``up → act → down`` with one pipeline over row chunks, forward and backward.
+"""``mlp_block``: the plain (non-gated) MLP block of a tensor + sequence parallel layer as one
+autograd function: ``up → act → down`` with one pipeline over row chunks, forward and backward.
 
 Notation (README, "Design"): ``x`` ``[m, D]`` is this rank's rows, ``X = AllGather_m(x)``
 ``[ws·m, D]``; ``W_u`` ``[F/ws, D]`` and ``W_d`` ``[D, F/ws]`` are this rank's shards.
@@ -11,66 +11,32 @@ Backward, with ``dY_full = AllGather_m(dY)``:
     dH = dY_full W_d,   dW_d = dY_fullᵀ H,   db_d = Σ dY_full
     dU = act'(U) ⊙ dH,   db_u = Σ dU,   dx = ReduceScatter_m(dU W_u),   dW_u = dUᵀ X
 
-It runs the gated block's pipeline (:mod:`hyper_parallel.mc2.gated`) with one input
-projection instead of two: in forward chunk j of ``X`` is gathered under chunk j-1's
-up/act/down matmuls and chunk j's reduce-scatter runs under chunk j+1's; in backward the
-``dY`` chunks are gathered ahead and each ``dx`` chunk is reduce-scattered under the ``dW_u``
-matmul and the next chunk's work. Saved for backward: ``U`` (``act(U)`` is recomputed, one
-per-element pass) and the gathered ``X``, copied chunk by chunk as it arrives. Unlike the gated
-block, the plain one does not gather ``X`` again in backward: its backward has two matmuls
-fewer to hide the link under, and a third gather there (beside ``dY`` and the ``dx``
-reduce-scatter: 3/4 of the blocking pair's link time under 2/3 of its compute) would cap the
-hidden fraction at 0.75 instead of the forward's 0.83 (README, "Under a modeled link"); the
-cost is ``X`` ``[ws·m, D]`` held per layer (with ``F = 4D`` and 2 ranks, half of ``U``).
+It runs the block engine (:mod:`hyper_parallel.mc2._block`) with one input projection
+instead of the gated block's two; with ``impl="torch"``, in forward chunk j of ``X`` is
+gathered under chunk j-1's up/act/down matmuls and chunk j's reduce-scatter runs under chunk
+j+1's; in backward the ``dY`` chunks are gathered ahead and each ``dx`` chunk is
+reduce-scattered under the ``dW_u`` matmul and the next chunk's work. Saved for backward: ``U``
+(``act(U)`` is recomputed, one per-element pass) and the gathered ``X``, copied chunk by chunk
+as it arrives. Unlike the gated block, the plain one does not gather ``X`` again in backward:
+its backward has two matmuls fewer to hide the link under, and a third gather there (beside
+``dY`` and the ``dx`` reduce-scatter: 3/4 of the blocking pair's link time under 2/3 of its
+compute) would cap the hidden fraction at 0.75 instead of the forward's 0.83 (README, "Under a
+modeled link"); the cost is ``X`` ``[ws·m, D]`` held per layer (with ``F = 4D`` and 2 ranks,
+half of ``U``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hyper_parallel.dtensor.consistency import checked_entry
+from hyper_parallel.mc2._block import block_fields, run_block
+from hyper_parallel.mc2._hidden import Act
 from hyper_parallel.mc2._keywords import impl_keyword
-from hyper_parallel.mc2.gated import gated_fields, run_gated_mlp, validate_block_operands
 
-__all__ = ["mlp_block", "mlp_fields", "run_mlp_block", "validate_mlp_operands"]
-
-Act = Callable[[torch.Tensor], torch.Tensor]
-
-
-def validate_mlp_operands(
-    x: Any,
-    wu: Any,
-    wd: Any,
-    bu: Any,
-    bd: Any,
-    act: Any,
-    world_size: int,
-    backend: str,
-    chunks: int | None,
-) -> None:
-    """Local checks, the same on every rank for same-shaped operands; run before any collective."""
-    validate_block_operands("mlp_block", x, (wu,), (bu,), wd, bd, act, world_size, backend, chunks)
-
-
-def mlp_fields(
-    x: Any,
-    weights: tuple[Any, Any],
-    biases: tuple[Any, Any],
-    group: Any,
-    act_fn: Any,
-    backend: str,
-    chunks: int | None,
-) -> dict[str, Any]:
-    """What the ranks compare for one plain block (consistency mode): ``x``, ``W_u``, ``W_d``
-    and the biases as the block sees them, the chosen backend, the chunk count and the group
-    size. Never raises (rejected operands give ``"<ErrorType>"`` as the choice)."""
-    fields = gated_fields(x, (None, *weights), (None, *biases), group, act_fn, backend, chunks)
-    del fields["gate_weight"]
-    fields["biases"] = fields["biases"][1:]
-    return fields
+__all__ = ["mlp_block"]
 
 
 def _mlp_block_fields(
@@ -85,8 +51,9 @@ def _mlp_block_fields(
     impl: str = "auto",
     chunks: int | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    weights, biases = (up_weight, down_weight), (up_bias, down_bias)
-    return group, mlp_fields(x, weights, biases, group, act_fn, impl, chunks)
+    return group, block_fields(
+        x, (up_weight,), (up_bias,), down_weight, down_bias, group, act_fn, impl, chunks
+    )
 
 
 @impl_keyword("mlp_block")
@@ -117,8 +84,8 @@ def mlp_block(
         impl: ``"auto"``, ``"torch"`` (chunked async collectives overlapped with the matmuls)
             or ``"npu"`` (the torch_npu MC2 kernels, one phase at a time; ``backend=`` is its
             deprecated name).
-        chunks: ``torch`` backend only: pieces ``m`` is split into for overlap (``None``: from
-            the shapes and device type alone, identical on every rank).
+        chunks: ``torch`` implementation only: pieces ``m`` is split into for overlap
+            (``None``: from the shapes and device type alone, identical on every rank).
 
     Returns:
         ``[m, D]``: this rank's rows of the output. Gradients: ``dx`` ``[m, D]``, ``dW_u``,
@@ -128,20 +95,6 @@ def mlp_block(
     collective every rank of ``group`` compares ``x``, both weights and the biases, the chosen
     ``impl``, ``chunks`` and the group size (``InconsistentRanksError`` naming the field).
     """
-    return run_mlp_block(
-        x, (up_weight, down_weight), (up_bias, down_bias), group, act_fn, impl, chunks
+    return run_block(
+        x, (up_weight,), (up_bias,), down_weight, down_bias, group, act_fn, impl, chunks
     )
-
-
-def run_mlp_block(
-    x: torch.Tensor,
-    weights: tuple[torch.Tensor, torch.Tensor],
-    biases: tuple[Any, Any],
-    group: Any,
-    act_fn: Act,
-    backend: str,
-    chunks: int | None,
-) -> torch.Tensor:
-    """:func:`mlp_block` without its consistency check (for checked entry points that declare
-    their own, like :class:`~hyper_parallel.mc2.MC2MLPParallel`'s forward)."""
-    return run_gated_mlp(x, (None, *weights), (None, *biases), group, act_fn, backend, chunks)

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from hyper_parallel.dtensor.amp import cast_for_autocast
 from hyper_parallel.dtensor.consistency import checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized, parallel_state
+from hyper_parallel.mc2._block import block_fields, run_block
 from hyper_parallel.mc2._block_style import (
     check_input,
     check_linears,
@@ -38,7 +39,6 @@ from hyper_parallel.mc2._block_style import (
 )
 from hyper_parallel.mc2._keywords import impl_keyword
 from hyper_parallel.mc2.activation import check_elementwise_activation
-from hyper_parallel.mc2.mlp import mlp_fields, run_mlp_block
 
 __all__ = ["MC2MLPParallel"]
 
@@ -89,13 +89,14 @@ def _operands(self: nn.Module, plan: _MLPPlan) -> tuple[Any, Any]:
 
 def _forward_fields(self: nn.Module, x: Any) -> tuple[Any, dict[str, Any]]:
     """What the ranks compare before the forward's first collective: the input block,
-    ``sequence_dim`` and :func:`~hyper_parallel.mc2.mlp.mlp_fields` on its rows."""
+    ``sequence_dim`` and :func:`~hyper_parallel.mc2._block.block_fields` on its rows."""
     plan = cast(_MLPPlan, parallel_state(self, LAYER))
     weights, biases = _operands(self, plan)
     fields: dict[str, Any] = {"input": x, "sequence_dim": plan.sequence_dim}
     act = _act_of(self, plan.act)
     rows = rows_of(x, plan.sequence_dim)
-    fields.update(mlp_fields(rows, weights, biases, plan.group, act, plan.impl, plan.chunks))
+    (wu, wd), (bu, bd) = weights, biases
+    fields.update(block_fields(rows, (wu,), (bu,), wd, bd, plan.group, act, plan.impl, plan.chunks))
     return plan.group, fields
 
 
@@ -111,9 +112,7 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return on_rows(
         x,
         seq,
-        lambda rows: run_mlp_block(
-            rows, (wu, wd), (bu, bd), plan.group, act, plan.impl, plan.chunks
-        ),
+        lambda rows: run_block(rows, (wu,), (bu,), wd, bd, plan.group, act, plan.impl, plan.chunks),
     )
 
 

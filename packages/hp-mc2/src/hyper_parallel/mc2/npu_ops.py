@@ -1,7 +1,7 @@
-"""The seam between the ``npu`` backend and the two fused torch_npu MC2 kernels.
+"""The seam between the ``npu`` implementation and the two fused torch_npu MC2 kernels.
 
-The ``npu`` backend never imports ``torch_npu`` itself: it asks the active *provider* for
-``npu_all_gather_base_mm``, ``npu_mm_reduce_scatter_base`` (torch_npu signatures) and the
+The ``npu`` implementation never imports ``torch_npu`` itself: it asks the active *provider*
+for ``npu_all_gather_base_mm``, ``npu_mm_reduce_scatter_base`` (torch_npu signatures) and the
 communicator name of a process group. The default provider imports ``torch_npu`` lazily, and
 only once tensors are already on an NPU (so a CPU machine never touches it). Tests install a
 double with :func:`use_npu_ops` to drive the same code path on CPU over gloo.
@@ -22,7 +22,7 @@ __all__ = ["NpuOps", "TorchNpuOps", "current_npu_ops", "hccl_comm_name", "use_np
 
 
 class NpuOps(Protocol):
-    """What the ``npu`` backend needs from torch_npu (or from a stand-in)."""
+    """What the ``npu`` implementation needs from torch_npu (or from a stand-in)."""
 
     #: device type of the tensors the kernels accept ("npu" for torch_npu).
     device_type: str
@@ -122,13 +122,14 @@ _active: NpuOps = _default
 
 
 def current_npu_ops() -> NpuOps:
-    """The provider the ``npu`` backend uses right now."""
+    """The provider the ``npu`` implementation uses right now."""
     return _active
 
 
 @contextlib.contextmanager
 def use_npu_ops(provider: NpuOps) -> Iterator[NpuOps]:
-    """Route the ``npu`` backend to ``provider`` inside the ``with`` block (not thread-local)."""
+    """Route the ``npu`` implementation to ``provider`` inside the ``with`` block (not
+    thread-local)."""
     global _active
     previous, _active = _active, provider
     try:
