@@ -51,7 +51,8 @@ class MoEState:
 
 
 def num_experts(block: nn.Module) -> int:
-    return int(block.get_submodule("experts").gate_up_proj.shape[0])
+    weight: Any = block.get_submodule("experts").gate_up_proj
+    return int(weight.shape[0])
 
 
 def check_ep(ep: Any, batch_size: int, moe_blocks: dict[str, nn.Module]) -> None:
@@ -86,7 +87,8 @@ def _record(state: MoEState, path: str, index: Any, experts: int) -> None:
 
 def _record_counts(state: MoEState, path: str) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-        _record(state, path, args[1] if len(args) > 1 else None, int(module.gate_up_proj.shape[0]))
+        weight: Any = module.gate_up_proj
+        _record(state, path, args[1] if len(args) > 1 else None, int(weight.shape[0]))
 
     return hook
 
@@ -98,7 +100,7 @@ class _BlockState:
 
 
 def _moe_forward(original: type) -> Any:
-    def forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
+    def forward(self: Any, hidden_states: Tensor) -> Tensor:
         st: _BlockState = parallel_state(self, MOE_LAYER)
         residuals, shape = hidden_states, hidden_states.shape
         _, top_k_weights, top_k_index = self.gate(hidden_states)

@@ -135,7 +135,7 @@ def parallelize_experts(
         shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
         setattr(experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
     state = _EPState(ep_mesh, group, shape, impl, chunks, overlap)
-    return install_forward(experts, LAYER, state, _make_forward, prefix="EP")
+    return cast(_M, install_forward(experts, LAYER, state, _make_forward, prefix="EP"))
 
 
 def _forward_fields(
@@ -176,7 +176,7 @@ def _parallel_call(
     down = cast(Any, self.down_proj).to_local()
     run = experts_parallel_forward if st.overlap else experts_parallel_blocking
     out, st.last = run(
-        hidden_states, top_k_index, top_k_weights, gate_up, down, self.act_fn, st.group,
+        hidden_states, top_k_index, top_k_weights, gate_up, down, cast(Any, self.act_fn), st.group,
         impl=st.impl, chunks=st.chunks, what=f"parallel experts ({type(self).__name__})",
         alongside=alongside,
     )  # fmt: skip
