@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _models_testutil import cp_tp_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed, run_markdown_example
 from hyper_parallel.models import (
     gather_sequence,
@@ -57,11 +57,6 @@ BF16 = torch.bfloat16
 
 def _gather(t: torch.Tensor, mesh: Any) -> torch.Tensor:
     return gather_sequence(t, mesh)
-
-
-def _mesh(cp: int, tp: int) -> Any:
-    world = init_device_mesh("cpu", (cp * tp,), mesh_dim_names=("world",))
-    return unflatten(world, "world", (cp, tp), ("cp", "tp"))
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -147,7 +142,7 @@ def _parallel(kind: str, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``parallelize_model`` options; one spawn of ranks for all of them."""
     out_all = []
     for run in runs:
-        mesh = _mesh(run["cp"], run["tp"])
+        mesh = cp_tp_mesh(run["cp"], run["tp"])
         model = tiny_model(kind, seed=0, dtype=run["weights"])
         if run.get("checkpointing"):  # the recompute runs under the forward's autocast too
             model.gradient_checkpointing_enable({"use_reentrant": False})
@@ -252,7 +247,7 @@ def test_mixed_precision_matches_the_serial_model(kind):
 
 
 def _refused() -> dict[str, Any]:
-    mesh = _mesh(1, 2)
+    mesh = cp_tp_mesh(1, 2)
     out = {}
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
     for case, kwargs in {

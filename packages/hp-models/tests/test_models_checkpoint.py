@@ -19,25 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _models_testutil import cp_tp_mesh, full
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
-from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.models import parallelize_model, shard_batch, sync_gradients
 from hyper_parallel.models.testing import import_transformers, random_batch, tiny_model
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}  # Kimi-Linear's KDA computes in float32
 LOAD = {"dtype": torch.float64, "experts_implementation": "eager"}  # grouped_mm: no float64
-
-
-def _mesh(cp, tp):
-    world = init_device_mesh("cpu", (cp * tp,), mesh_dim_names=("world",))
-    return unflatten(world, "world", (cp, tp), ("cp", "tp"))
-
-
-def _full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def _step(model, opt, mesh, seed):
@@ -57,7 +47,7 @@ def _plain_loss(folder, seed):
 
 def _save_side(tmp):
     """(cp, tp) = (2, 2): accumulation, save_pretrained, DCP save, the uninterrupted steps."""
-    mesh = _mesh(2, 2)
+    mesh = cp_tp_mesh(2, 2)
     rank = dist.get_rank()
     report = {}
     for kind, reduction in (("kimi", "auto"), ("deepseek", "allreduce")):
@@ -73,12 +63,12 @@ def _save_side(tmp):
             g = model.get_parameter(n).grad
             assert (g is None) == (q.grad is None), n
             if g is not None:
-                torch.testing.assert_close(_full(g), q.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+                torch.testing.assert_close(full(g), q.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         opt.step()
         opt.zero_grad()
         _step(model, opt, mesh, seed=3)
-        weights = {n: _full(p) for n, p in model.named_parameters()}
+        weights = {n: full(p) for n, p in model.named_parameters()}
         folder = os.path.join(tmp, f"{kind}-hf-rank{rank}")  # a folder per rank: who writes?
         model.save_pretrained(folder)
         report[f"{kind}_written"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
@@ -98,7 +88,7 @@ def _save_side(tmp):
 
 def _load_side(tmp, saved):
     """(cp, tp) = (1, 2), all-reduce: resume from the DCP checkpoint; from_pretrained."""
-    mesh = _mesh(1, 2)
+    mesh = cp_tp_mesh(1, 2)
     model = parallelize_model(tiny_model("kimi", seed=7), mesh, grad_reduction="allreduce")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     msd, osd = get_state_dict(model, opt)

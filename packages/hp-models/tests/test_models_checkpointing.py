@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from _models_testutil import grads
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.tensor import DTensor
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
@@ -51,16 +51,6 @@ def _checkpoint(model: torch.nn.Module, how: str) -> None:
     )
 
 
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            g = g.full_tensor() if isinstance(g, DTensor) else g
-            out[name.replace(WRAPPED, "")] = g.detach().clone()
-    return out
-
-
 def _run() -> dict[Any, Any]:
     world = init_device_mesh("cpu", (2,), mesh_dim_names=("world",))
     mesh = unflatten(world, "world", (2, 1), ("cp", "tp"))
@@ -85,7 +75,7 @@ def _run() -> dict[Any, Any]:
             wrapped = any(WRAPPED in n for n, _ in model.named_parameters())
             res[(kind, how, when)] = {
                 "loss": out.loss.item(),
-                "grads": _grads(model),
+                "grads": grads(model, WRAPPED),
                 "wrapped": wrapped,
                 "forwards": len(calls),
             }
@@ -97,7 +87,7 @@ def _serial(kind: str) -> tuple[float, dict[str, torch.Tensor]]:
     model.train()
     loss = model(**random_batch(seq=16)).loss
     loss.backward()
-    return loss.item(), _grads(model)
+    return loss.item(), grads(model, WRAPPED)
 
 
 @pytest.mark.timeout(300)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _models_testutil import full
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
@@ -13,10 +14,6 @@ from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.models import clip_grad_norm_, parallelize_model, shard_batch, sync_gradients
 from hyper_parallel.models.testing import random_batch, tiny_model
-
-
-def _full(g):
-    return (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
 
 
 def _clip_cases(cp, tp, cases):
@@ -47,7 +44,7 @@ def _clip_cases(cp, tp, cases):
                 ref_params[n].grad.copy_(g)
             ref_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), max_norm, norm_type)
             # the same norm of this model's own gradients, gathered whole: each counted once
-            own = [torch.linalg.vector_norm(_full(q.grad), norm_type) for _, q in named]
+            own = [torch.linalg.vector_norm(full(q.grad), norm_type) for _, q in named]
             own_norm = torch.linalg.vector_norm(torch.stack(own), norm_type)
             norm = clip_grad_norm_(model, max_norm, norm_type)
             assert type(norm) is torch.Tensor and norm.dim() == 0, type(norm)
@@ -55,7 +52,7 @@ def _clip_cases(cp, tp, cases):
             torch.testing.assert_close(norm, ref_norm, rtol=2e-6, atol=0)  # float32 KDA
             for n, q in named:
                 torch.testing.assert_close(
-                    _full(q.grad),
+                    full(q.grad),
                     ref_params[n].grad,
                     rtol=2e-5,
                     atol=2e-7,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
+from _models_testutil import grads
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
@@ -27,15 +27,6 @@ LAYERS = {
     "layer_types": ["linear_attention", "full_attention"],
     "mlp_layer_types": ["dense", "dense"],
 }
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            out[name] = g.detach().clone()
-    return out
 
 
 def _run() -> dict[str, Any]:
@@ -55,7 +46,7 @@ def _run() -> dict[str, Any]:
         loss = model(**local).loss
         loss.backward()
         sync_gradients(model)
-        res[f"compiled={compiled}"] = {"loss": loss.item(), "grads": _grads(model)}
+        res[f"compiled={compiled}"] = {"loss": loss.item(), "grads": grads(model)}
     # later steps reuse the graphs: after a second step no new batch recompiles (a guard
     # failing on every step would recompile, at the first step's cost, each time)
     graphs = []
@@ -72,7 +63,7 @@ def test_compiled_layers_give_the_uncompiled_and_serial_loss_and_gradients():
     serial = tiny_model("kimi", **LAYERS)
     ref_loss = serial(**random_batch(seq=16)).loss
     ref_loss.backward()
-    ref_loss, ref_grads = ref_loss.item(), _grads(serial)
+    ref_loss, ref_grads = ref_loss.item(), grads(serial)
     assert len(ref_grads) > 15
     for rank, res in enumerate(results):
         graphs = res["graphs"]

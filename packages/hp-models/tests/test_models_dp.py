@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from _models_testutil import full64
 from torch.utils.flop_counter import FlopCounterMode
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
@@ -21,12 +21,6 @@ from hyper_parallel.models.testing import import_transformers, random_batch, tin
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}  # Kimi-Linear's KDA computes in float32
 BSZ, SEQ = 4, 16
-
-
-def _full(t):
-    # a copy: after a no_grad forward FSDP2 leaves the root's parameters unsharded (plain
-    # tensors) and frees that storage at its next reshard
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().clone()
 
 
 def _raised(fn, *args, **kwargs):
@@ -77,7 +71,7 @@ def _train(dp, cp, tp, cases, tmp):
                     if g is not None:
                         n_grads += 1
                         torch.testing.assert_close(
-                            _full(g), q.grad, **TOL, msg=lambda m, n=n, k=kind: f"{k} {n}: {m}"
+                            full64(g), q.grad, **TOL, msg=lambda m, n=n, k=kind: f"{k} {n}: {m}"
                         )
                 assert n_grads > 20
                 # HSDP / dp-replicated gradients are counted once; no clipping (coef 1)
@@ -91,7 +85,7 @@ def _train(dp, cp, tp, cases, tmp):
         ref_params = dict(serial.named_parameters())
         for n, p in model.named_parameters():
             torch.testing.assert_close(
-                _full(p), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=lambda m, n=n: n
+                full64(p), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=lambda m, n=n: n
             )
         probe = random_batch(bsz=BSZ, seq=SEQ, seed=9)
         local = shard_batch(probe, mesh)
@@ -101,7 +95,7 @@ def _train(dp, cp, tp, cases, tmp):
         if kind == cases[0][0]:  # save_pretrained under dp: one writer, the same weights
             rank = dist.get_rank()
             folder = os.path.join(tmp, f"hf-rank{rank}")
-            weights = {n: _full(p) for n, p in model.named_parameters()}
+            weights = {n: full64(p) for n, p in model.named_parameters()}
             model.save_pretrained(folder)
             report["written"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
             if rank == 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
+from _models_testutil import full64
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
@@ -33,10 +33,6 @@ OVERRIDES = {
     "kimi": {"num_experts": E, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]},
 }
 RATE = 1e-3
-
-
-def _full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().clone()
 
 
 def _model(kind):
@@ -89,7 +85,7 @@ def _train(shape, cases):
                     assert (g is None) == (q.grad is None), n
                     if g is not None:
                         torch.testing.assert_close(
-                            _full(g), q.grad, **TOL, msg=lambda m, n=n, k=kind: f"{k} {n}: {m}"
+                            full64(g), q.grad, **TOL, msg=lambda m, n=n, k=kind: f"{k} {n}: {m}"
                         )
                 ref_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9)
                 torch.testing.assert_close(clip_grad_norm_(model, 1e9), ref_norm, rtol=2e-6, atol=0)
@@ -108,7 +104,7 @@ def _train(shape, cases):
         ref_params = dict(serial.named_parameters())
         for n, p in model.named_parameters():
             torch.testing.assert_close(
-                _full(p), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=lambda m, n=n: n
+                full64(p), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=lambda m, n=n: n
             )
         report.append({
             "case": (kind, ep, reduction),

@@ -17,10 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _models_testutil import cp_tp_mesh, full
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
-from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.models import parallelize_model, shard_batch, sync_gradients
 from hyper_parallel.models.fsdp import fsdp_available
@@ -30,15 +29,6 @@ TOL = {"rtol": 2e-5, "atol": 2e-6}
 LOAD = {"dtype": torch.float64, "experts_implementation": "eager"}
 MOE = {"n_routed_experts": 8}
 FIRST = "fsdp" if fsdp_available() else "allreduce"
-
-
-def _mesh(cp, tp):
-    world = init_device_mesh("cpu", (cp * tp,), mesh_dim_names=("world",))
-    return unflatten(world, "world", (cp, tp), ("cp", "tp"))
-
-
-def _full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def _step(model, opt, mesh, seed):
@@ -51,13 +41,13 @@ def _step(model, opt, mesh, seed):
 
 
 def _save_side(tmp):
-    mesh = _mesh(2, 2)
+    mesh = cp_tp_mesh(2, 2)
     model = parallelize_model(
         tiny_model("deepseek", seed=0, **MOE), mesh, grad_reduction=FIRST, ep=4
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, opt, mesh, seed=1)
-    weights = {n: _full(p) for n, p in model.named_parameters()}
+    weights = {n: full(p) for n, p in model.named_parameters()}
     folder = os.path.join(tmp, "hf")
     model.save_pretrained(folder)
     msd, osd = get_state_dict(model, opt)
@@ -77,7 +67,7 @@ def _save_side(tmp):
 
 
 def _load_side(tmp):
-    mesh = _mesh(2, 2)
+    mesh = cp_tp_mesh(2, 2)
     model = parallelize_model(
         tiny_model("deepseek", seed=7, **MOE), mesh, grad_reduction="allreduce", ep=2
     )
@@ -109,7 +99,7 @@ def test_split_experts_save_pretrained_and_dcp_reshard_between_ep_sizes(tmp_path
 
 
 def _checkpointing_and_autocast():
-    mesh = _mesh(2, 2)
+    mesh = cp_tp_mesh(2, 2)
     batch = random_batch(seq=16, seed=1)
     out = {}
     for ckpt in (False, True):
@@ -122,7 +112,7 @@ def _checkpointing_and_autocast():
             loss = model(**shard_batch(batch, mesh)).loss
         loss.backward()
         sync_gradients(model)
-        out[ckpt] = (loss.detach(), {n: _full(p.grad) for n, p in model.named_parameters()
+        out[ckpt] = (loss.detach(), {n: full(p.grad) for n, p in model.named_parameters()
                                      if p.grad is not None})  # fmt: skip
     serial = tiny_model("deepseek", seed=0, dtype=torch.float32, **MOE)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from _models_testutil import grads
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
@@ -26,15 +26,6 @@ from hyper_parallel.models.testing import random_batch, tiny_model
 
 SHAPES = [(2, 1), (1, 2)]
 KINDS = ["kimi", "deepseek"]
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
-    return out
 
 
 def _local_ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -91,7 +82,7 @@ def _run() -> dict[str, Any]:
                 "tuple_logits": torch.equal(tup[1], out.logits),
                 "mean": mean.item(),
                 "naive": naive,
-                "grads": _grads(model),
+                "grads": grads(model),
             }
     return res
 
@@ -101,7 +92,7 @@ def _serial(kind: str) -> tuple[float, dict[str, torch.Tensor]]:
     batch = random_batch(seq=16)
     loss = model(**batch).loss
     loss.backward()
-    return loss.item(), _grads(model)
+    return loss.item(), grads(model)
 
 
 @pytest.mark.timeout(240)
