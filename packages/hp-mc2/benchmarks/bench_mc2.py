@@ -1,9 +1,9 @@
 """Two blocks under sequence + tensor parallelism, forward + backward, each case side by side
 in one run, interleaved, median of the repetitions:
 
-- MLP block (up + down projection): ours (MC2 styles, ``torch`` backend, default chunks) vs
-  torch's own ColwiseParallel + RowwiseParallel SP pair, and ours with chunks=1 (no overlap)
-  and chunks=4 (forced overlap);
+- MLP block (up + down projection): ours (MC2 styles, ``torch`` implementation, default
+  chunks) vs torch's own ColwiseParallel + RowwiseParallel SP pair, and ours with chunks=1 (no
+  overlap) and chunks=4 (forced overlap);
 - gated MLP block (``down(act(gate(x)) * up(x))``, shaped like Hugging Face's LlamaMLP):
   ``MC2GatedMLPParallel`` vs torch's SP plan on the same module (gate/up
   ``ColwiseParallel(input_layouts=Shard(1))``, down ``RowwiseParallel(output_layouts=

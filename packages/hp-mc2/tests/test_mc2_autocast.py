@@ -1,6 +1,6 @@
 """hp-mc2 under ``torch.autocast`` (bf16 and fp16, CPU): the parallel layers compute in the
 dtypes autocast gives the serial module (every matmul, buffer and collective in the autocast
-dtype), on the ``torch`` backend and on the ``npu`` backend (driven by the torch_npu kernel
+dtype), on the ``torch`` implementation and on the ``npu`` one (driven by the torch_npu kernel
 double over gloo: with float32 parameters, autocast's bf16 operands select it), forward and
 backward, also when backward itself is called inside the autocast region.
 
@@ -83,19 +83,19 @@ def _run(module: Any, x: torch.Tensor, dy: torch.Tensor, amp: Any, bwd_inside: b
     return {"y": y.detach(), "dx": x.grad, **_grads(module)}
 
 
-def _compare(kind: str, amp: torch.dtype, backend: str, bwd_inside: bool) -> dict[str, Any]:
+def _compare(kind: str, amp: torch.dtype, impl: str, bwd_inside: bool) -> dict[str, Any]:
     """One case on this rank: the parallel module on this rank's block vs the serial module on
     the whole tp group's tokens (under ``amp``, and in float32 for the spread)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     tp, t = mesh.size(), mesh.get_local_rank()
-    d, ffn = (256, 256 * tp) if backend == "npu" else (16, 8 * tp)  # npu: the kernels' k >= 256
+    d, ffn = (256, 256 * tp) if impl == "npu" else (16, 8 * tp)  # npu: the kernels' k >= 256
     if kind == "linears":
         serial = _linears(d, ffn)
-        plan = {"0": MC2ColwiseParallel(impl=backend), "1": MC2RowwiseParallel(impl=backend)}
+        plan = {"0": MC2ColwiseParallel(impl=impl), "1": MC2RowwiseParallel(impl=impl)}
         par = parallelize_module(copy.deepcopy(serial), mesh, plan)
     else:
         serial = _mlp(kind, d, ffn)
-        par = parallelize_module(copy.deepcopy(serial), mesh, MC2GatedMLPParallel(impl=backend))
+        par = parallelize_module(copy.deepcopy(serial), mesh, MC2GatedMLPParallel(impl=impl))
     X, dY = _seeded(1, B, S_BLK * tp, d) / 4, _seeded(2, B, S_BLK * tp, d)
     rows = slice(t * S_BLK, (t + 1) * S_BLK)
     double = GlooMC2Double()

@@ -184,7 +184,7 @@ CASES: dict[str, tuple[Callable | None, Callable, str, str]] = {
         "ValueError",
         "x must be 2-D",
     ),
-    "unknown_backend": (
+    "unknown_impl": (
         None,
         lambda _: all_gather_matmul(torch.ones(4, 8), torch.ones(6, 8), impl="cuda"),
         "ValueError",
@@ -334,7 +334,7 @@ CASES: dict[str, tuple[Callable | None, Callable, str, str]] = {
         "ValueError",
         "sequence_dim=2 is out of range for a 3-D input",
     ),
-    "gated_bad_backend": (
+    "gated_bad_impl": (
         None,
         lambda _: MC2GatedMLPParallel(impl="cuda"),
         "ValueError",

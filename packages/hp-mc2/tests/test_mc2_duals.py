@@ -1,4 +1,4 @@
-"""Both duals, every backend and chunk count, against a float64 single-process reference:
+"""Both duals, every implementation and chunk count, against a float64 single-process reference:
 outputs, dX, dW and db, at 2 and 4 gloo ranks."""
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def _placements(mesh: Any) -> dict[str, Any]:
 
 
 def _functional_vs_reference(mesh: Any) -> dict[str, float]:
-    """gated_mlp (chunked torch backend) vs its reference twin, same local operands."""
+    """gated_mlp (chunked torch implementation) vs its reference twin, same local operands."""
     t = mesh.get_local_rank()
     group = mesh.get_group()
     m, fl = 5, 3
@@ -173,7 +173,8 @@ def _saved_shapes(mesh: Any) -> list[tuple[int, ...]]:
 
 
 def _npu_double(mesh: Any, dtype: torch.dtype) -> dict[str, Any]:
-    """The npu path (the torch_npu test double over gloo) vs the torch backend, same operands."""
+    """The npu path (the torch_npu test double over gloo) vs the torch implementation, same
+    operands."""
     t = mesh.get_local_rank()
     group = mesh.get_group()
     d, fl, m = 256, 256, 4  # the kernels' smallest contraction dim
@@ -184,7 +185,7 @@ def _npu_double(mesh: Any, dtype: torch.dtype) -> dict[str, Any]:
     dy = _seeded(40 + t, m, d)
     double = GlooMC2Double()
     out = {}
-    for backend in ("npu", "torch"):
+    for impl in ("npu", "torch"):
         leaves = [o.to(dtype).clone().requires_grad_() for o in ops]
         x, wg, wu, wd, bg, bu, bd = leaves
         with use_npu_ops(double):
@@ -198,10 +199,10 @@ def _npu_double(mesh: Any, dtype: torch.dtype) -> dict[str, Any]:
                 gate_bias=bg,
                 up_bias=bu,
                 down_bias=bd,
-                impl=backend,
+                impl=impl,
             )
             y.backward(dy.to(dtype))
-        out[backend] = [y.detach(), *(leaf.grad for leaf in leaves)]
+        out[impl] = [y.detach(), *(leaf.grad for leaf in leaves)]
     return {
         "errs": [_rel(a, b) for a, b in zip(out["npu"], out["torch"])],
         "calls": [
@@ -355,7 +356,7 @@ def test_backward_keeps_no_gathered_copy_of_the_input(two_ranks):
 
 
 @pytest.mark.timeout(300)
-def test_npu_path_through_kernel_double_equals_torch_backend(two_ranks):
+def test_npu_path_through_kernel_double_equals_torch_impl(two_ranks):
     for res in two_ranks:
         for dtype, tol in (("torch.bfloat16", 2e-2), ("torch.float16", 4e-3)):
             got = res["npu"][dtype]

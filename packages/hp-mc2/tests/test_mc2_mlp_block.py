@@ -263,7 +263,7 @@ def _npu_double() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_npu_path_through_kernel_double_equals_torch_backend():
+def test_npu_path_through_kernel_double_equals_torch_impl():
     for res in run_distributed(_npu_double, 2, timeout=TIMEOUT - 20):
         assert len(res["errs"]) == 6 and max(res["errs"]) < 5e-2, res["errs"]
         assert res["calls"] == [

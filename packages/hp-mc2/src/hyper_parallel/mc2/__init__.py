@@ -2,7 +2,10 @@
 reduce-scatter is fused with (Ascend MC2 kernels) or overlapped with (chunked async
 collectives) the matmul, in forward and backward; and the gated MLP block
 (``down(act(gate(x)) * up(x))``) with one all-gather shared by gate and up, and the plain MLP
-block (``down(act(up(x)))``), each one pipeline over row chunks."""
+block (``down(act(up(x)))``), each one pipeline over row chunks.
+
+The matmul+collective runs in one of several implementations (``impl=``: ``torch``, ``npu``,
+``auto``), classes behind one interface in a registry (:mod:`hyper_parallel.mc2.impls`)."""
 
 from hyper_parallel.mc2._chunked import default_chunks
 from hyper_parallel.mc2._npu_impl import npu_constraint_failure

@@ -1,6 +1,7 @@
-"""The ``npu`` backend through the torch_npu test double: same results as the ``torch``
-backend forward and backward, the exact kernel calls the README documents, every kernel constraint
-giving its clear error, ``auto`` falling back with the reason, and HCCL comm-name lookup."""
+"""The ``npu`` implementation through the torch_npu test double: same results as the
+``torch`` implementation forward and backward, the exact kernel calls the README documents,
+every kernel constraint giving its clear error, ``auto`` falling back with the reason, and HCCL
+comm-name lookup."""
 
 from __future__ import annotations
 
@@ -37,11 +38,11 @@ def _shard(op: str, X, W, B, dY):
     return X[:, cols], W[:, cols], B, dY[r * mo : (r + 1) * mo]
 
 
-def _run(op: str, backend: str, X, W, B, dY, dtype):
+def _run(op: str, impl: str, X, W, B, dY, dtype):
     x, w, b, dy = _shard(op, X, W, B, dY)
     x, w, b = (t.to(dtype).clone().requires_grad_() for t in (x, w, b))
     fn = all_gather_matmul if op == "column" else matmul_reduce_scatter
-    y = fn(x, w, None, bias=b, impl=backend, chunks=2)
+    y = fn(x, w, None, bias=b, impl=impl, chunks=2)
     y.backward(dy.to(dtype))
     return y, x.grad, w.grad, b.grad
 
@@ -103,7 +104,7 @@ def _npu_vs_torch(op: str, dtype: torch.dtype) -> dict:
     ],
     ids=lambda v: {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(v, str(v)),
 )
-def test_npu_backend_through_double_equals_torch_backend(op, dtype, world_size):
+def test_npu_impl_through_double_equals_torch_impl(op, dtype, world_size):
     results = run_distributed(_npu_vs_torch, world_size, op, dtype, timeout=TIMEOUT)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     for res in results:
@@ -160,7 +161,7 @@ def _violation(case: str) -> dict:
         except (ValueError, TypeError) as exc:
             forced_err = f"{type(exc).__name__}: {exc}"
         forced_calls = len(double.calls)
-        # The kernel itself, on the operands the backend would hand it.
+        # The kernel itself, on the operands the npu implementation would hand it.
         if case == "small_backward_k":
             kx, kw, kop = torch.ones(ws * m, 128, dtype=bf), w, double.npu_mm_reduce_scatter_base
         elif op == "all_gather_matmul":
