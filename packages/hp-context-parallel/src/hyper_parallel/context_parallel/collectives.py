@@ -10,9 +10,8 @@ exchange's launch and wait autograd nodes, so the gradient's collective (the inv
 all-to-all, or the reduce-scatter of an all-gather) overlaps whatever autograd runs between
 them in backward.
 
-Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): each collective
-first compares, over its group, its kind, ``x`` (shape, dtype, device type) and the
-normalised dims; ranks that disagree all raise ``InconsistentRanksError`` instead of hanging.
+Consistency mode (hp-dtensor's README, "Ranks that disagree"): each collective first compares,
+over its group, its kind, ``x``, the normalised dims and the group size.
 
 Every collective launched here and not yet waited is listed by :func:`pending_collectives`;
 the parallel MLA forward refuses to start while one launched by a parallel MLA block is

@@ -64,18 +64,12 @@ def hybrid_meshes(cp_mesh: DeviceMesh, ulysses_degree: int) -> tuple[DeviceMesh,
     return ulysses, gather
 
 
-def _hybrid_fields(
-    attn_fn: Any, q: Any, k: Any, v: Any, cp_mesh: Any, ulysses_degree: Any
-) -> tuple[Any, dict[str, Any]] | None:
-    """What :func:`hybrid_attention` compares (arguments only; a mesh that is not 1-D is
-    rejected by the body, alike on every rank)."""
-    if not isinstance(cp_mesh, DeviceMesh) or cp_mesh.ndim != 1:
-        return None
-    fields = {"q": q, "k": k, "v": v, "ulysses_degree": ulysses_degree, "cp_size": cp_mesh.size()}
-    return cp_mesh.get_group(0), fields
-
-
-@checked_entry("hybrid_attention", _hybrid_fields)
+@checked_entry(
+    "hybrid_attention",
+    compare=("q", "k", "v", "ulysses_degree"),
+    group="cp_mesh",
+    extra={"cp_size": lambda args: args.cp_mesh.size()},
+)
 def hybrid_attention(
     attn_fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
     q: Tensor,
@@ -93,10 +87,8 @@ def hybrid_attention(
     ``torch.nn.functional.scaled_dot_product_attention``. Keys past the query block are not
     gathered into the computation (causality), so ``Lk = (g + 1)·S/G`` on gather rank g.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before
-    anything else (so before the sub-meshes are created and the first all-to-all), every rank
-    of ``cp_mesh`` compares ``q``, ``k``, ``v`` (shape, dtype, device type),
-    ``ulysses_degree`` and the CP size, once: the exchanges inside do not compare again.
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): the ranks of ``cp_mesh``
+    compare ``q``, ``k``, ``v``, ``ulysses_degree`` and the CP size, once, before anything else.
     """
     _check_degree(cp_mesh, ulysses_degree)
     for name, t in (("q", q), ("k", k), ("v", v)):

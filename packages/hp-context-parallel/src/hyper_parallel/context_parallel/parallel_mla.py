@@ -223,13 +223,11 @@ def parallelize_mla(
     size and the device type only (``head_groups.choose_head_groups``; 1 with
     ``overlap=False``): :func:`mla_head_groups` tells which count a call gets, and why.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): each forward
-    first compares, over the CP group, ``strategy``, ``overlap``, the CP size and what the
-    forward decides from its call (family, sizes, ``hidden_states``/mask/RoPE shapes and dtypes,
-    the packed-documents tables, training mode) and each rank's verdict on its call (see
-    ``admission.check_call_consistent``), so a rank rewritten with another strategy, given
-    another block length or dtype, another table, or a bad input the others do not have,
-    makes every rank raise ``InconsistentRanksError`` instead of hanging.
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): each forward first
+    compares, over the CP group, ``strategy``, ``overlap``, the CP size, what the forward
+    decides from its call (family, sizes, ``hidden_states``/mask/RoPE shapes and dtypes, the
+    packed-documents tables, training mode) and each rank's verdict on its call (see
+    ``admission.check_call_consistent``).
 
     Errors, raised identically on every rank before any communication, leaving the module
     untouched: ``TypeError`` (a module of no supported family — the message lists them —,
