@@ -217,15 +217,15 @@ def block_fields(
     """What the ranks compare for one block (consistency mode): ``x``, the weights
     (``gate_weight`` (gated only), ``up_weight``, ``down_weight``) and ``biases`` as the block
     sees them (under autocast: cast), the chosen ``impl``, the chunk count and the group size.
-    Never raises: operands the block rejects give ``"<ErrorType>"`` as the choice (the body
-    then raises the same error on every rank that agreed)."""
-    ws: Any = None
+    Only reads (hp-dtensor's ``checked_entry`` guards it); the choice of operands the block
+    rejects is its verdict, ``"<ErrorType>"`` (the body then raises that error on every rank
+    that agreed)."""
     n = len(w_in)
+    ws = dist.get_world_size(group)
+    x, w_in, b_in, wd, bd = cast_block(x, w_in, b_in, wd, bd)
     try:
-        ws = dist.get_world_size(group)
-        x, w_in, b_in, wd, bd = cast_block(x, w_in, b_in, wd, bd)
         choice, chunks = _prepare(x, w_in, b_in, wd, bd, group, act_fn, impl, chunks)
-    except Exception as exc:  # rejected by the body, after the comparison
+    except Exception as exc:  # the verdict: the body raises it, after the comparison
         choice = f"<{type(exc).__name__}>"
     fields: dict[str, Any] = {"x": x}
     fields.update({f"{role}_weight": w for role, w in zip(ROLES[n], w_in)})

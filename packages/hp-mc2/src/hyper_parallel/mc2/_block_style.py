@@ -70,15 +70,16 @@ def _operands(module: nn.Module, plan: BlockPlan) -> tuple[Any, Any, Any, Any]:
     return w_in, b_in, _local(down.weight), _local(down.bias)
 
 
-def _forward_fields(module: nn.Module, x: Any, layer: str) -> tuple[Any, dict[str, Any]]:
-    """What the ranks compare before the forward's first collective: the input block,
-    ``sequence_dim`` and :func:`~hyper_parallel.mc2._block.block_fields` on its rows."""
+def _forward_fields(module: nn.Module, x: Any, layer: str) -> dict[str, Any]:
+    """What the ranks compare before the forward's first collective (``checked_entry``'s
+    ``extra``): the input block, ``sequence_dim`` and
+    :func:`~hyper_parallel.mc2._block.block_fields` on its rows."""
     plan = cast(BlockPlan, parallel_state(module, layer))
     w_in, b_in, wd, bd = _operands(module, plan)
     fields: dict[str, Any] = {"input": x, "sequence_dim": plan.sequence_dim}
     rows, act = rows_of(x, plan.sequence_dim), _act_of(module, plan.act)
     fields.update(block_fields(rows, w_in, b_in, wd, bd, plan.group, act, plan.impl, plan.chunks))
-    return plan.group, fields
+    return fields
 
 
 def _forward(module: nn.Module, x: torch.Tensor, layer: str, name: str) -> torch.Tensor:
@@ -97,23 +98,19 @@ def _forward(module: nn.Module, x: torch.Tensor, layer: str, name: str) -> torch
     )
 
 
-def apply_fields(style: BlockStyle, module: nn.Module, mesh: Any) -> Any:
-    """What the ranks compare before the weights are distributed (``None`` for a mesh the body
-    rejects): the style (its repr: every option), the module's class and, per role, the child's
-    name, weight and bias."""
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        return None
+def apply_fields(args: Any) -> dict[str, Any]:
+    """What the ranks compare before the weights are distributed (``checked_entry``'s ``extra``
+    of :meth:`BlockStyle._shard_and_install`, over ``device_mesh``): the style (its repr: every
+    option), the module's class and, per role, the child's name, weight and bias."""
+    style, module = args.self, args.module
     fields: dict[str, Any] = {"style": repr(style), "module": type(module).__name__}
-    try:
-        inputs, down, _ = style.resolve(module)
-    except ValueError:  # rejected by the body, after the comparison
-        inputs, down = ("",) * len(style._roles), ""
+    inputs, down, _ = style.resolve(module)
     for role, name in zip((*style._roles, "down"), (*inputs, down)):
         child = module._modules.get(name)
         fields[role] = (name, getattr(child, "weight", None), getattr(child, "bias", None))
     fields["src_data_rank"] = getattr(style, "src_data_rank", 0)
-    fields["world_size"] = mesh.size()
-    return mesh.get_group(), fields
+    fields["world_size"] = args.device_mesh.size()
+    return fields
 
 
 class BlockStyle(ParallelStyle):
@@ -124,7 +121,8 @@ class BlockStyle(ParallelStyle):
     A subclass sets the class attributes below, takes its options in ``__init__`` (calling
     :meth:`_set_options`), and defines :meth:`_options` (its repr), :meth:`resolve` (the
     module's children and activation) and :meth:`_no_act`, and
-    ``_apply = checked_entry(<name>, apply_fields)(BlockStyle._shard_and_install)``.
+    ``_apply = checked_entry(<name>, group="device_mesh", extra=apply_fields)(
+    BlockStyle._shard_and_install)``.
     """
 
     #: the style's name in messages and consistency checks (its class name)
@@ -246,10 +244,11 @@ class BlockStyle(ParallelStyle):
         def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return _forward(self, x, layer, name)
 
-        def fields(self: nn.Module, x: Any) -> tuple[Any, dict[str, Any]]:
-            return _forward_fields(self, x, layer)
-
-        return checked_entry(f"{name} ({original.__name__})", fields)(forward)
+        return checked_entry(
+            f"{name} ({original.__name__})",
+            group=lambda a: cast(BlockPlan, parallel_state(a.self, layer)).group,
+            extra=lambda a: _forward_fields(a.self, a.x, layer),
+        )(forward)
 
 
 def check_style_options(where: str, sequence_dim: Any, impl: Any, chunks: Any) -> None:
@@ -310,12 +309,9 @@ def distribute_linears(
 
 def rows_of(x: Any, sequence_dim: int) -> Any:
     """``x`` ``[..., S_local, ..., D]`` as rows ``[N, D]``, sequence first (for the consistency
-    fields; ``x`` itself where the body will reject it)."""
-    try:
-        rows = x.movedim(sequence_dim, 0)
-        return rows.reshape(-1, rows.shape[-1])
-    except Exception:  # rejected by the body, after the comparison
-        return x
+    fields)."""
+    rows = x.movedim(sequence_dim, 0)
+    return rows.reshape(-1, rows.shape[-1])
 
 
 def on_rows(x: torch.Tensor, seq: int, run: Any) -> torch.Tensor:

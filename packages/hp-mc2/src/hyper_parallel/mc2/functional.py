@@ -131,14 +131,14 @@ def dual_fields(
 ) -> dict[str, Any]:
     """What the ranks compare for one dual (consistency mode): the operands as the dual sees
     them (under autocast: cast), the chosen implementation, the chunk count and the group size.
-    Never raises: operands the dual will reject give ``"<ErrorType>"`` as the choice (the body
-    then raises the same error on every rank that agreed)."""
-    ws: Any = None
+    Only reads (hp-dtensor's ``checked_entry`` guards it); the choice of operands the dual
+    rejects is its verdict, ``"<ErrorType>"`` (the body then raises that error on every rank
+    that agreed)."""
+    ws = dist.get_world_size(group)
+    x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
     try:
-        ws = dist.get_world_size(group)
-        x, weight, bias = cast_for_autocast(x.device.type, x, weight, bias)
         choice, chunks = _prepare(op, x, weight, group, bias, impl, chunks)
-    except Exception as exc:  # rejected by the body, after the comparison
+    except Exception as exc:  # the verdict: the body raises it, after the comparison
         choice = f"<{type(exc).__name__}>"
     return {
         "x": x, "weight": weight, "bias": bias, "impl": choice, "chunks": chunks,
@@ -187,23 +187,13 @@ def _row(
     return _run(_MatmulReduceScatter, "matmul_reduce_scatter", x, weight, group, bias, impl, chunks)
 
 
-def _fields_of(op: str) -> Any:
-    def fields(
-        x: Any,
-        weight: Any,
-        group: Any = None,
-        *,
-        bias: Any = None,
-        impl: str = "auto",
-        chunks: int | None = None,
-    ) -> tuple[Any, dict[str, Any]]:
-        return group, dual_fields(op, x, weight, group, bias, impl, chunks)
-
-    return fields
+def _dual(op: str) -> Any:
+    """The consistency fields of the dual ``op``'s call (``checked_entry``'s ``extra``)."""
+    return lambda a: dual_fields(op, a.x, a.weight, a.group, a.bias, a.impl, a.chunks)
 
 
 @impl_keyword("all_gather_matmul")
-@checked_entry("all_gather_matmul", _fields_of("all_gather_matmul"))
+@checked_entry("all_gather_matmul", group="group", extra=_dual("all_gather_matmul"))
 def all_gather_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -232,16 +222,14 @@ def all_gather_matmul(
         Backward gives ``dX = ReduceScatter_m(dY @ W)`` ``[m, k]``, ``dW = dYᵀ @ AllGather_m(x)``
         and ``db = Σ_m dY`` (both this rank's shard).
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
-    collective every rank of ``group`` compares ``x``, ``weight``, ``bias`` (shape, dtype,
-    device type), the chosen ``impl``, ``chunks`` and the group size, and all raise
-    ``InconsistentRanksError`` naming the differing field and ranks.
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): the ranks of ``group``
+    compare ``x``, ``weight``, ``bias``, the chosen ``impl``, ``chunks`` and the group size.
     """
     return _column(x, weight, group, bias, impl, chunks)
 
 
 @impl_keyword("matmul_reduce_scatter")
-@checked_entry("matmul_reduce_scatter", _fields_of("matmul_reduce_scatter"))
+@checked_entry("matmul_reduce_scatter", group="group", extra=_dual("matmul_reduce_scatter"))
 def matmul_reduce_scatter(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -268,6 +256,7 @@ def matmul_reduce_scatter(
         Backward gathers ``dY_full = AllGather_m(dY)`` and gives ``dX = dY_full @ W``,
         ``dW = dY_fullᵀ @ x`` and ``db = Σ_m dY_full`` (the full, replicated bias gradient).
 
-    Consistency mode: the same fields as :func:`all_gather_matmul` are compared.
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): the fields of
+    :func:`all_gather_matmul`.
     """
     return _row(x, weight, group, bias, impl, chunks)

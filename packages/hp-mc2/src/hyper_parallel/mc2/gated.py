@@ -33,26 +33,15 @@ from hyper_parallel.mc2._keywords import impl_keyword
 __all__ = ["gated_mlp"]
 
 
-def _gated_mlp_fields(
-    x: Any,
-    gate_weight: Any,
-    up_weight: Any,
-    down_weight: Any,
-    group: Any = None,
-    *,
-    act_fn: Any = None,
-    gate_bias: Any = None,
-    up_bias: Any = None,
-    down_bias: Any = None,
-    impl: str = "auto",
-    chunks: int | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    w_in, b_in = (gate_weight, up_weight), (gate_bias, up_bias)
-    return group, block_fields(x, w_in, b_in, down_weight, down_bias, group, act_fn, impl, chunks)
-
-
 @impl_keyword("gated_mlp")
-@checked_entry("gated_mlp", _gated_mlp_fields)
+@checked_entry(
+    "gated_mlp",
+    group="group",
+    extra=lambda a: block_fields(
+        a.x, (a.gate_weight, a.up_weight), (a.gate_bias, a.up_bias), a.down_weight,
+        a.down_bias, a.group, a.act_fn, a.impl, a.chunks,
+    ),
+)  # fmt: skip
 def gated_mlp(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -88,10 +77,9 @@ def gated_mlp(
         ``[m, D]``: this rank's rows of the output. Gradients: ``dx`` ``[m, D]``, the weight and
         gate/up bias gradients are this rank's shards, ``db_d`` the full sum (replicated).
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
-    collective every rank of ``group`` compares ``x``, the three weights and the biases (shape,
-    dtype, device type), the chosen ``impl``, ``chunks`` and the group size, and all raise
-    ``InconsistentRanksError`` naming the differing field and ranks.
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): the ranks of ``group``
+    compare ``x``, the three weights, the biases, the chosen ``impl``, ``chunks`` and the
+    group size.
     """
     return run_block(
         x, (gate_weight, up_weight), (gate_bias, up_bias), down_weight, down_bias, group,

@@ -41,12 +41,11 @@ class MC2GatedMLPParallel(BlockStyle):
     Output and every gradient equal the serial module on the full sequence; ``dW`` of each
     weight is this rank's shard of the full gradient.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): applying the
-    style compares, over the tp group and before the weights are distributed, the style's
-    options (``gate``/``up``/``down``, ``sequence_dim``, ``impl``, ``chunks``), the module's
-    class and its weights' shapes and dtypes; each forward compares the input block (shape,
-    dtype), ``sequence_dim``, the weight shards, the chosen ``impl``, the chunk count and the
-    tp size (:func:`~hyper_parallel.mc2.gated_mlp`'s fields), in one collective.
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): applying the style compares, over
+    the tp group and before the weights are distributed, the style's options
+    (``gate``/``up``/``down``, ``sequence_dim``, ``impl``, ``chunks``), the module's class and
+    its weights; each forward compares the input block, ``sequence_dim`` and
+    :func:`~hyper_parallel.mc2.gated_mlp`'s fields.
     """
 
     _style, _layer, _prefix = _NAME, LAYER, "MC2Gated"
@@ -79,4 +78,6 @@ class MC2GatedMLPParallel(BlockStyle):
     def _no_act(self, kind: str, act: Act) -> str:
         return f"{_NAME}: {kind} has no act_fn; the style uses the module's own"
 
-    _apply = checked_entry(_NAME, apply_fields)(BlockStyle._shard_and_install)
+    _apply = checked_entry(_NAME, group="device_mesh", extra=apply_fields)(
+        BlockStyle._shard_and_install
+    )

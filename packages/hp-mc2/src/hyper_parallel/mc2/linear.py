@@ -116,11 +116,10 @@ class MC2Linear(nn.Linear, metaclass=_MC2LinearType):
     copy shares the config (and so the process group), and
     :func:`~hyper_parallel.mc2.unparallelize_mc2` undoes it.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
-    collective the ranks of the group compare the input (this rank's block: shape, dtype,
-    device type), ``mode``, ``sequence_dim``, the weight and bias shards, the chosen ``impl``,
-    the chunk count and the group size (one collective; a DTensor input that must be
-    redistributed first is compared, with its placements, before the redistribution).
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): the ranks of the group
+    compare the input (this rank's block), ``mode``, ``sequence_dim``, the weight and bias
+    shards, the chosen ``impl``, the chunk count and the group size (a DTensor input that must
+    be redistributed first: with its placements, before the redistribution).
     """
 
     def __init__(
@@ -200,7 +199,11 @@ def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
 def _entry(mode: str) -> Callable[[nn.Linear, torch.Tensor], torch.Tensor]:
     """The parallel forward of ``mode``, its consistency check declared once (named
     ``MC2Linear (<mode>)``)."""
-    return checked_entry(f"MC2Linear ({mode})", _fields)(_parallel_forward)
+    return checked_entry(
+        f"MC2Linear ({mode})",
+        group=lambda a: cast(MC2Parallel, parallel_state(a.self, LAYER)).group,
+        extra=lambda a: _fields(a.self, a.input),
+    )(_parallel_forward)
 
 
 def _target(x: DTensor, cfg: MC2Parallel) -> Shard | None:
@@ -224,10 +227,10 @@ def _block_of(x: DTensor, want: Shard | None) -> torch.Tensor:
     return local.new_zeros(()).expand(shape)
 
 
-def _fields(self: nn.Linear, input: Any) -> tuple[Any, dict[str, Any]]:
+def _fields(self: nn.Linear, input: Any) -> dict[str, Any]:
     """What the ranks compare before the forward's first collective (a redistribution of a
-    DTensor input included): the input as given (with its placements), ``mode``,
-    ``sequence_dim``, and the dual's fields on this rank's 2-D rows."""
+    DTensor input included; ``checked_entry``'s ``extra``): the input as given (with its
+    placements), ``mode``, ``sequence_dim``, and the dual's fields on this rank's 2-D rows."""
     cfg = cast(MC2Parallel, parallel_state(self, LAYER))
     fields: dict[str, Any] = {
         "input": input, "mode": cfg.mode, "sequence_dim": cfg.sequence_dim,
@@ -236,15 +239,12 @@ def _fields(self: nn.Linear, input: Any) -> tuple[Any, dict[str, Any]]:
     if isinstance(x, DTensor):
         fields["placements"] = tuple(x.placements)
         x = _block_of(x, _target(x, cfg))
-    try:
-        x = x.movedim(cfg.sequence_dim, 0)
-        x = x.reshape(-1, x.shape[-1])
-    except Exception:  # rejected by the body, after the comparison
-        pass
+    x = x.movedim(cfg.sequence_dim, 0)
+    x = x.reshape(-1, x.shape[-1])
     op = "all_gather_matmul" if cfg.mode == "column" else "matmul_reduce_scatter"
     weight, bias = _local(self.weight), _local(self.bias)
     fields.update(dual_fields(op, x, weight, cfg.group, bias, cfg.impl, cfg.chunks))
-    return cfg.group, fields
+    return fields
 
 
 def _parallel_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:

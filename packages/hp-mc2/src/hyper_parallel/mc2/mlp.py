@@ -39,25 +39,15 @@ from hyper_parallel.mc2._keywords import impl_keyword
 __all__ = ["mlp_block"]
 
 
-def _mlp_block_fields(
-    x: Any,
-    up_weight: Any,
-    down_weight: Any,
-    group: Any = None,
-    *,
-    act_fn: Any = None,
-    up_bias: Any = None,
-    down_bias: Any = None,
-    impl: str = "auto",
-    chunks: int | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    return group, block_fields(
-        x, (up_weight,), (up_bias,), down_weight, down_bias, group, act_fn, impl, chunks
-    )
-
-
 @impl_keyword("mlp_block")
-@checked_entry("mlp_block", _mlp_block_fields)
+@checked_entry(
+    "mlp_block",
+    group="group",
+    extra=lambda a: block_fields(
+        a.x, (a.up_weight,), (a.up_bias,), a.down_weight, a.down_bias, a.group, a.act_fn,
+        a.impl, a.chunks,
+    ),
+)  # fmt: skip
 def mlp_block(
     x: torch.Tensor,
     up_weight: torch.Tensor,
@@ -91,9 +81,9 @@ def mlp_block(
         ``[m, D]``: this rank's rows of the output. Gradients: ``dx`` ``[m, D]``, ``dW_u``,
         ``dW_d`` and ``db_u`` this rank's shards, ``db_d`` the full sum (replicated).
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the first
-    collective every rank of ``group`` compares ``x``, both weights and the biases, the chosen
-    ``impl``, ``chunks`` and the group size (``InconsistentRanksError`` naming the field).
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): the ranks of ``group``
+    compare ``x``, both weights, the biases, the chosen ``impl``, ``chunks`` and the group
+    size.
     """
     return run_block(
         x, (up_weight,), (up_bias,), down_weight, down_bias, group, act_fn, impl, chunks

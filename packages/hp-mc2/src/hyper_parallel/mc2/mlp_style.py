@@ -62,11 +62,10 @@ class MC2MLPParallel(BlockStyle):
     Output and every gradient equal the serial module on the full sequence; ``dW`` of each
     weight is this rank's shard of the full gradient.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): applying the
-    style compares the style's options, the module's class and its weights' shapes and dtypes
-    over the tp group before the weights are distributed; each forward compares the input
-    block, ``sequence_dim``, the weight shards, the chosen ``impl``, the chunk count and the
-    tp size, in one collective.
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): applying the style compares the
+    style's options, the module's class and its weights over the tp group, before the weights
+    are distributed; each forward compares the input block, ``sequence_dim``, the weight
+    shards, the chosen ``impl``, the chunk count and the tp size.
     """
 
     _style, _layer, _prefix = _NAME, LAYER, "MC2MLP"
@@ -122,7 +121,9 @@ class MC2MLPParallel(BlockStyle):
             "act=<the activation>"
         )
 
-    _apply = checked_entry(_NAME, apply_fields)(BlockStyle._shard_and_install)
+    _apply = checked_entry(_NAME, group="device_mesh", extra=apply_fields)(
+        BlockStyle._shard_and_install
+    )
 
 
 def _describe(act: Any) -> str:

@@ -20,15 +20,29 @@ from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel, Mode, check_sequen
 __all__ = ["MC2ColwiseParallel", "MC2RowwiseParallel"]
 
 
-def _style_fields(self: _MC2Style, module: nn.Module, mesh: Any) -> Any:
-    return self._apply_fields(module, mesh)
+def _style_fields(args: Any) -> dict[str, Any]:
+    """What the ranks compare before the weights are distributed (``checked_entry``'s ``extra``
+    of ``_shard_and_install``, over ``device_mesh``): the style, the module's class, its weight
+    and bias."""
+    style, module = args.self, args.module
+    return {
+        "style": repr(style), "module": type(module).__name__,
+        "weight": getattr(module, "weight", None), "bias": getattr(module, "bias", None),
+        "src_data_rank": getattr(style, "src_data_rank", 0), "world_size": args.device_mesh.size(),
+    }  # fmt: skip
+
+
+def _checked_apply(name: str) -> Any:
+    return checked_entry(name, group="device_mesh", extra=_style_fields)(
+        _MC2Style._shard_and_install
+    )
 
 
 class _MC2Style(ParallelStyle):
-    """Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): applying the
-    style compares, over the tp group and before the weights are distributed, the style's
-    options (``sequence_dim``, ``impl``, ``chunks``, ``use_local_output``), the module's class
-    and its weight and bias (shape, dtype); each forward is checked by :class:`MC2Linear`."""
+    """Consistency mode (hp-dtensor's README, "Ranks that disagree"): applying the style
+    compares, over the tp group and before the weights are distributed, the style's options
+    (``sequence_dim``, ``impl``, ``chunks``, ``use_local_output``), the module's class and its
+    weight and bias; each forward is checked by :class:`MC2Linear`."""
 
     _mode: Mode
 
@@ -52,17 +66,6 @@ class _MC2Style(ParallelStyle):
 
     def _placements(self) -> dict[str, Placement]:
         raise NotImplementedError
-
-    def _apply_fields(self, module: nn.Module, mesh: Any) -> tuple[Any, dict[str, Any]] | None:
-        """What the ranks compare before the weights are distributed (``None`` for a mesh the
-        body rejects): the style, the module's class, its weight and bias."""
-        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-            return None
-        return mesh.get_group(), {
-            "style": repr(self), "module": type(module).__name__,
-            "weight": getattr(module, "weight", None), "bias": getattr(module, "bias", None),
-            "src_data_rank": getattr(self, "src_data_rank", 0), "world_size": mesh.size(),
-        }  # fmt: skip
 
     def _shard_and_install(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
@@ -118,7 +121,7 @@ class MC2ColwiseParallel(_MC2Style):
     """
 
     _mode: Mode = "column"
-    _apply = checked_entry("MC2ColwiseParallel", _style_fields)(_MC2Style._shard_and_install)
+    _apply = _checked_apply("MC2ColwiseParallel")
 
     def _placements(self) -> dict[str, Placement]:
         return {"weight": Shard(0), "bias": Shard(0)}
@@ -134,7 +137,7 @@ class MC2RowwiseParallel(_MC2Style):
     """
 
     _mode: Mode = "row"
-    _apply = checked_entry("MC2RowwiseParallel", _style_fields)(_MC2Style._shard_and_install)
+    _apply = _checked_apply("MC2RowwiseParallel")
 
     def _placements(self) -> dict[str, Placement]:
         return {"weight": Shard(1), "bias": Replicate()}
