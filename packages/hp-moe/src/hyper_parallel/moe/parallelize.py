@@ -74,24 +74,20 @@ def _check_options(impl: Any, chunks: Any, overlap: Any) -> None:
         raise ValueError(f"overlap must be a bool, got {overlap!r}")
 
 
-def _apply_fields(experts: nn.Module, ep_mesh: Any, **options: Any) -> Any:
-    """What the ranks compare before parallelising: the module's shapes and dtype, the options
-    and the ep mesh's ranks (never raises: a field that cannot be read is compared as such)."""
-    try:
-        group = ep_mesh.get_group(0)
-        ranks: Any = rank_list(ep_mesh)
-    except Exception:
-        return None
-    fields: dict[str, Any] = {"ep_ranks": ranks, "class": type(experts).__name__}
-    for name in _WEIGHTS:
-        p = getattr(experts, name, None)
-        fields[name] = p if isinstance(p, Tensor) else repr(p)
-    fields.update({k: options.get(k, "auto") for k in ("impl", "chunks")})
-    fields["overlap"] = options.get("overlap", True)
-    return group, fields
+def _weight(name: str) -> Callable[[Any], Any]:
+    return lambda args: getattr(args.experts, name, None)
 
 
-@checked_entry("parallelize_experts", _apply_fields)
+@checked_entry(
+    "parallelize_experts",
+    compare=("impl", "chunks", "overlap"),
+    group="ep_mesh",
+    extra={
+        "ep_ranks": lambda args: rank_list(args.ep_mesh),
+        "class": lambda args: type(args.experts).__name__,
+        **{name: _weight(name) for name in _WEIGHTS},
+    },
+)
 def parallelize_experts(
     experts: _M,
     ep_mesh: Any,
@@ -113,7 +109,12 @@ def parallelize_experts(
 
     Raises, on every rank and before any collective: ``TypeError`` for a module of another
     form; ``ValueError`` for an n-D mesh, ``E`` not divisible by the mesh size, a bad option;
-    ``RuntimeError`` for a module already parallelized (by this layer or another)."""
+    ``RuntimeError`` for a module already parallelized (by this layer or another).
+
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): the ranks of ``ep_mesh``
+    compare the options, the mesh's ranks, the module's class and its weights; each forward
+    compares the hidden size and dtypes (not ``N``), the options, the ep ranks and whether
+    autograd records."""
     shape = experts_shape(experts)
     _check_options(impl, chunks, overlap)
     if is_parallelized(experts):
@@ -138,30 +139,28 @@ def parallelize_experts(
     return cast(_M, install_forward(experts, LAYER, state, _make_forward, prefix="EP"))
 
 
-def _forward_fields(
-    self: nn.Module, hidden: Any, top_k_index: Any, top_k_weights: Any, alongside: Any = None
-) -> Any:
-    """What the ranks compare before a forward's first collective: the hidden size and the
-    dtypes (not N, which may differ), the options and the ep mesh."""
-    st = cast(_EPState, parallel_state(self, LAYER))
+def _forward_fields(args: Any) -> dict[str, Any]:
+    """What the ranks compare before a forward's first collective (``checked_entry``'s
+    ``extra``): the hidden size and the dtypes (not N, which may differ), the options and the
+    ep mesh."""
+    st = cast(_EPState, parallel_state(args.self, LAYER))
 
     def trailing(t: Any) -> Any:
         if not isinstance(t, Tensor):
             return repr(t)
         return f"[..., {list(t.shape)[1:]}]:{t.dtype}"
 
-    fields = {
-        "hidden": trailing(hidden),
-        "top_k_index": trailing(top_k_index),
-        "top_k_weights": trailing(top_k_weights),
+    return {
+        "hidden": trailing(args.hidden_states),
+        "top_k_index": trailing(args.top_k_index),
+        "top_k_weights": trailing(args.top_k_weights),
         "impl": st.impl,
         "chunks": st.chunks,
         "overlap": st.overlap,
         "ep_ranks": st.group.ranks,
         "grad": torch.is_grad_enabled(),
-        "alongside": alongside is not None,
+        "alongside": args.alongside is not None,
     }
-    return st.group.pg, fields
 
 
 def _parallel_call(
@@ -183,7 +182,11 @@ def _parallel_call(
     return out, st.last.alongside
 
 
-_checked_call = checked_entry("parallel experts", _forward_fields)(_parallel_call)
+_checked_call = checked_entry(
+    "parallel experts",
+    group=lambda args: cast(_EPState, parallel_state(args.self, LAYER)).group.pg,
+    extra=_forward_fields,
+)(_parallel_call)
 
 
 def _make_forward(original: type) -> Any:
