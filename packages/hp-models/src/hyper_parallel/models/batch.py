@@ -155,30 +155,28 @@ def _replica_documents(
         ) from None
 
 
-def _gather_fields(x: Any, mesh: Any, seq_dim: Any = 1) -> tuple[Any, dict[str, Any]] | None:
-    """``gather_sequence``'s consistency signature (``checked_entry``), over the flattened
-    mesh: ``x`` (shape, dtype, device type) and ``seq_dim`` (counted from 0 when in range).
-    Nothing for one rank, or for a call the body refuses (the same on every rank)."""
-    try:
-        sm = sequence_mesh(mesh)
-    except (TypeError, ValueError):  # the body raises it
-        return None
-    if sm.size == 1:
-        return None
+def _seq_dim(args: Any) -> Any:
+    """``gather_sequence``'s ``seq_dim`` as compared: counted from 0 when in range."""
+    x, seq_dim = args.x, args.seq_dim
     if isinstance(x, Tensor) and isinstance(seq_dim, int) and -x.dim() <= seq_dim < x.dim():
         seq_dim %= x.dim()
-    return sm.flat.get_group(), {"x": x, "seq_dim": seq_dim}
+    return seq_dim
 
 
-@checked_entry("gather_sequence", _gather_fields)
+# over the flattened mesh (a mesh the body refuses: nothing compared)
+@checked_entry(
+    "gather_sequence",
+    compare=("x",),
+    group=lambda args: sequence_mesh(args.mesh).flat,
+    extra={"seq_dim": _seq_dim},
+)
 def gather_sequence(x: Tensor, mesh: DeviceMesh, seq_dim: int = 1) -> Tensor:
     """The full sequence from every rank's block, in block order, on every rank.
 
     ``x`` is this rank's block ``[..., S, ...]`` (``S`` at ``seq_dim``), the same shape on every
     rank; the result is ``[..., P·S, ...]``. For evaluation and checks (no autograd: the
-    result is detached). Consistency mode (``HP_CHECK_CONSISTENCY=1`` or
-    ``consistency_checks()``): the ranks first compare ``x`` (shape, dtype, device type) and
-    ``seq_dim``."""
+    result is detached). Consistency mode (hp-dtensor's README, "Ranks that disagree"): the
+    ranks first compare ``x`` and ``seq_dim``."""
     sm = sequence_mesh(mesh)
     if not -x.dim() <= seq_dim < x.dim():
         raise ValueError(f"seq_dim {seq_dim} out of range for a {x.dim()}-D tensor")

@@ -32,7 +32,7 @@ bucket, so they are recorded and appear in ``torch.profiler`` as ``hp.comm.*`` r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -66,20 +66,24 @@ def _scopes(model: nn.Module, roles: dict[str, str], ep: int) -> dict[int, str]:
     return scopes
 
 
-def _fields(model: nn.Module) -> tuple[Any, dict[str, Any]] | None:
-    """``sync_gradients``' consistency signature (``checked_entry``), over every rank of the
-    batch: the trainable parameters (local shapes, dtypes) and the reduction. Nothing under
-    FSDP2 (``sync_gradients`` does nothing there) or for a model not parallelised (it raises)."""
-    plan = parallel_state(model, LAYER)
-    if not isinstance(plan, ParallelPlan) or plan.grad_reduction == "fsdp":
-        return None
-    if plan.mesh.batch.size() == 1:
-        return None
-    params = [_local(p) for p in model.parameters() if p.requires_grad]
-    return plan.mesh.batch.get_group(), {"params": params, "grad_reduction": plan.grad_reduction}
+def _batch_mesh(args: Any) -> Any:
+    """The mesh ``sync_gradients`` compares over: every rank of the batch (none for a model not
+    parallelised: the body raises)."""
+    return cast(ParallelPlan, parallel_state(args.model, LAYER)).mesh.batch
 
 
-@checked_entry("sync_gradients", _fields)
+def _fields(args: Any) -> dict[str, Any] | None:
+    """``sync_gradients``' consistency fields (``checked_entry``'s ``extra``): the trainable
+    parameters (local shapes, dtypes) and the reduction. Nothing under FSDP2
+    (``sync_gradients`` does nothing there)."""
+    plan = cast(ParallelPlan, parallel_state(args.model, LAYER))
+    if plan.grad_reduction == "fsdp":
+        return None
+    params = [_local(p) for p in args.model.parameters() if p.requires_grad]
+    return {"params": params, "grad_reduction": plan.grad_reduction}
+
+
+@checked_entry("sync_gradients", group=_batch_mesh, extra=_fields)
 def sync_gradients(model: nn.Module) -> None:
     """Sum each parameter's gradient over the ranks that computed a share of it (see the
     module docstring), in place, so that every gradient (``full_tensor()`` of a DTensor one)
@@ -87,9 +91,9 @@ def sync_gradients(model: nn.Module) -> None:
     optimizer step, on every rank (a no-op under ``grad_reduction="fsdp"``, where FSDP2 has
     already reduced them; calling it keeps a training loop independent of the choice).
     ``RuntimeError`` if ``model`` was not parallelised by
-    :func:`~hyper_parallel.models.parallelize_model`. Consistency mode
-    (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): the ranks first compare the
-    trainable parameters (local shapes, dtypes) and the reduction."""
+    :func:`~hyper_parallel.models.parallelize_model`. Consistency mode (hp-dtensor's README,
+    "Ranks that disagree"): the ranks first compare the trainable parameters (local shapes,
+    dtypes) and the reduction."""
     plan = plan_of(model, "sync_gradients")
     if plan.grad_reduction == "fsdp":
         return  # FSDP2 summed the gradients during backward (reduce-scatter, divide factor 1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -163,15 +163,20 @@ def _autocast(kwargs: dict[str, Any]) -> str:
         return "unknown"
 
 
-def _call_fields(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]] | None:
-    """The forward's consistency signature (``checked_entry``), over the flattened mesh: the
-    keyword arguments of the call (``input_ids``, ``labels``/``shift_labels``,
-    ``position_ids``, ...: tensors by shape, dtype and device type; a packed-documents table
-    also by its values), whether the model has a loss, whether autograd records and the
-    autocast dtype. The layers' own forward checks are covered by it (nested checks off)."""
-    plan = parallel_state(self, LAYER)
-    if not isinstance(plan, ParallelPlan) or plan.mesh.size == 1:
-        return None
+def _flat_mesh(args: Any) -> Any:
+    """The mesh the forward compares over: the flattened one (none for a model that is not
+    parallelised: the body raises)."""
+    return cast(ParallelPlan, parallel_state(args.self, LAYER)).mesh.flat
+
+
+def _call_fields(args: Any) -> dict[str, Any]:
+    """The forward's consistency fields (``checked_entry``'s ``extra``): the keyword arguments
+    of the call (``input_ids``, ``labels``/``shift_labels``, ``position_ids``, ...: tensors by
+    shape, dtype and device type; a packed-documents table also by its values), whether the
+    model has a loss, whether autograd records and the autocast dtype. The layers' own forward
+    checks are covered by it (nested checks off)."""
+    plan = cast(ParallelPlan, parallel_state(args.self, LAYER))
+    kwargs = args.kwargs
     fields = {f"arg_{k}": _argument(v) for k, v in kwargs.items()}
     for key in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
         table = kwargs.get(key)
@@ -180,7 +185,7 @@ def _call_fields(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, A
     fields["has_loss"] = plan.has_loss
     fields["grad_enabled"] = torch.is_grad_enabled()
     fields["autocast"] = _autocast(kwargs)
-    return plan.mesh.flat.get_group(), fields
+    return fields
 
 
 def _mask(family: str) -> dict[str, Any] | None:
@@ -202,7 +207,7 @@ def parallel_forward(model_class: type) -> Callable[..., Any]:
     original: Callable[..., Any] = model_class.forward  # type: ignore[attr-defined]
 
     @functools.wraps(original)
-    @checked_entry("parallelized model forward", _call_fields)
+    @checked_entry("parallelized model forward", group=_flat_mesh, extra=_call_fields)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         plan = plan_of(self, "the parallelised forward")
         sm, has_loss = plan.mesh, plan.has_loss

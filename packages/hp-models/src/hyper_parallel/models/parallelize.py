@@ -113,16 +113,6 @@ def _validate(
     return fam, base, roles
 
 
-def _signature(fn: Any) -> Any:
-    """``fn()``, or the name of the exception it raised: a signature field that cannot be read
-    on some rank then differs from the others' instead of raising there alone (the body raises
-    it on every rank when all agree)."""
-    try:
-        return fn()
-    except Exception as exc:
-        return f"<{type(exc).__name__}>"
-
-
 def _roles(model: nn.Module) -> list[tuple[str, str]]:
     fam, base = family_of(model)
     return sorted(
@@ -132,40 +122,29 @@ def _roles(model: nn.Module) -> list[tuple[str, str]]:
     )
 
 
-def _fields(
-    model: nn.Module,
-    mesh: Any,
-    *,
-    mla_strategy: Any = "latent",
-    overlap: Any = True,
-    kda_protocol: Any = "auto",
-    grad_reduction: Any = "auto",
-    mp_policy: Any = None,
-    ep: Any = 1,
-) -> tuple[Any, dict[str, Any]]:
-    """``parallelize_model``'s consistency signature (``checked_entry``), over the default
-    group, before any sub-mesh is created (creating a process group involves every process):
-    the model's class, family, block roles, parameter dtypes and count, the mesh's shape and
-    dim names, and the options (``grad_reduction`` resolved)."""
+def _resolved_reduction(grad_reduction: Any) -> Any:
+    """``grad_reduction`` with ``"auto"`` resolved (compared resolved)."""
     if grad_reduction == "auto":
-        grad_reduction = "fsdp" if fsdp_available() else "allreduce"
-    return None, {
-        "model": type(model).__name__,
-        "family": _signature(lambda: family_of(model)[0].name),
-        "roles": _signature(lambda: _roles(model)),
-        "param_dtypes": _signature(lambda: sorted({str(p.dtype) for p in model.parameters()})),
-        "param_count": _signature(lambda: sum(1 for _ in model.parameters())),
-        "mesh": _signature(lambda: (tuple(mesh.mesh.shape), mesh.mesh_dim_names)),
-        "mla_strategy": mla_strategy,
-        "overlap": overlap,
-        "kda_protocol": kda_protocol,
-        "grad_reduction": grad_reduction,
-        "mp_policy": repr(mp_policy),
-        "ep": ep,
-    }
+        return "fsdp" if fsdp_available() else "allreduce"
+    return grad_reduction
 
 
-@checked_entry("parallelize_model", _fields)
+# over the default group (no group=), before any sub-mesh is created: creating a process group
+# involves every process
+@checked_entry(
+    "parallelize_model",
+    compare=("mla_strategy", "overlap", "kda_protocol", "ep"),
+    extra={
+        "model": lambda args: type(args.model).__name__,
+        "family": lambda args: family_of(args.model)[0].name,
+        "roles": lambda args: _roles(args.model),
+        "param_dtypes": lambda args: sorted({str(p.dtype) for p in args.model.parameters()}),
+        "param_count": lambda args: sum(1 for _ in args.model.parameters()),
+        "mesh": lambda args: (tuple(args.mesh.mesh.shape), args.mesh.mesh_dim_names),
+        "grad_reduction": lambda args: _resolved_reduction(args.grad_reduction),
+        "mp_policy": lambda args: repr(args.mp_policy),
+    },
+)
 def parallelize_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -224,14 +203,12 @@ def parallelize_model(
     ``("cp", "tp")``, MLA heads not divisible by ``cp·tp`` or an unknown option;
     ``RuntimeError`` for a second call on the same model.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before anything
-    else (so before the sub-meshes are created), every process of the job (the default group:
-    creating a process group involves all of them) compares the model's class and family, the
-    role of every block, the parameter dtypes and count, the mesh's shape and dim names, and
-    the options (``mla_strategy``, ``overlap``, ``kda_protocol``, the resolved
-    ``grad_reduction``, ``mp_policy``, ``ep``); the layers' entry points called inside do not
-    compare again (hp-dtensor's ``checked_entry``). The forward then compares its keyword arguments
-    (tensors by shape, dtype and device type) over the flattened mesh, for its layers too.
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): before anything else (so
+    before the sub-meshes are created), every process of the job (the default group) compares
+    the model's class and family, the role of every block, the parameter dtypes and count, the
+    mesh's shape and dim names, and the options (``mla_strategy``, ``overlap``,
+    ``kda_protocol``, the resolved ``grad_reduction``, ``mp_policy``, ``ep``); the forward
+    then compares its keyword arguments over the flattened mesh, for its layers too.
     """
     fam, base, roles = _validate(
         model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction, ep
