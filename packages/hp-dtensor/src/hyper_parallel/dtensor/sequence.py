@@ -80,10 +80,6 @@ def check_documents(
         )
     if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
         raise ValueError(f"{what} must be an integer tensor, got {table.dtype}")
-    if batch is not None and batch != 1:
-        raise ValueError(
-            f"packed documents ({what}) need batch size 1 (one packed row), got B={batch}"
-        )
     values = tuple(int(v) for v in table.tolist())
     if values[0] != 0:
         raise ValueError(f"{what} must start at 0, got {values[0]} ({list(values)})")
@@ -94,6 +90,10 @@ def check_documents(
     if total is not None and values[-1] != total:
         raise ValueError(
             f"{what} must end at the sequence length {length_name}={total}, got {values[-1]}"
+        )
+    if batch is not None and batch != 1:
+        raise ValueError(
+            f"packed documents ({what}) need batch size 1 (one packed row), got B={batch}"
         )
     return values
 
@@ -241,6 +241,7 @@ def sequence_context(
     batch: int | None = None,
     device: Any = None,
     what: str = "cu_seqlens",
+    length_name: str = "T",
 ) -> SequenceContext:
     """The context of a sequence whose block layout the caller knows, with no communication.
 
@@ -248,9 +249,9 @@ def sequence_context(
     ``lengths``: every rank's block length in block order, or one int (every block that
     long). ``cu_seqlens`` (optional): the packed documents' global offsets, validated by
     :func:`check_documents` (ending at the total length, ``batch == 1`` when ``batch`` is
-    given; ``ValueError`` naming ``what``), read to the host once, kept as int64 on
-    ``device`` (the table's own when None). The context starts unchecked (see the module
-    docstring)."""
+    given; ``ValueError`` naming ``what`` and ``length_name``), read to the host once, kept
+    as int64 on ``device`` (the table's own when None). The context starts unchecked (see the
+    module docstring)."""
     g = _group(mesh, "sequence_context")
     sizes = (int(lengths),) * g.size if isinstance(lengths, int) else tuple(map(int, lengths))
     if len(sizes) != g.size or any(n < 0 for n in sizes):
@@ -260,7 +261,9 @@ def sequence_context(
         )
     if cu_seqlens is None:
         return SequenceContext(g, sizes)
-    offsets = check_documents(cu_seqlens, total=sum(sizes), batch=batch, what=what)
+    offsets = check_documents(
+        cu_seqlens, total=sum(sizes), batch=batch, what=what, length_name=length_name
+    )
     return SequenceContext(
         g, sizes, _documents(cu_seqlens, offsets, device), offsets, table_fingerprint(offsets)
     )
