@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.dtensor import check_documents
+
 SUPPORTED_KERNEL_DIMS = (16, 32, 64, 128)
 """K and V values the Triton kernels compile for (powers of two, 16..128)."""
 
@@ -110,36 +112,11 @@ def check_kernel_dims(K: int, V: int) -> str | None:
 
 
 def check_cu_seqlens(cu_seqlens: object, B: int, T: int | None, what: str) -> list[int]:
-    """Validate a packed-documents table (flash-linear-attention's ``cu_seqlens``): a 1-D
-    integer tensor ``[0, …, T]`` of strictly increasing global document offsets, for ``B == 1``
-    (``T`` None: the end is checked by the caller). Returns the offsets as ints."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"{what}: cu_seqlens must be a torch.Tensor, got {type(cu_seqlens)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"{what}: cu_seqlens must be 1-D [0, …, T] with at least 2 entries, got shape "
-            f"{tuple(cu_seqlens.shape)}"
-        )
-    dtype = cu_seqlens.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise ValueError(f"{what}: cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-    if B != 1:
-        raise ValueError(
-            f"{what}: packed documents (cu_seqlens) need batch size 1 (one packed row), got B={B}"
-        )
-    offsets = [int(x) for x in cu_seqlens.tolist()]
-    if offsets[0] != 0:
-        raise ValueError(f"{what}: cu_seqlens must start at 0, got {offsets[0]}")
-    if any(b <= a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(
-            f"{what}: cu_seqlens must be strictly increasing (every document non-empty), got "
-            f"{offsets}"
-        )
-    if T is not None and offsets[-1] != T:
-        raise ValueError(
-            f"{what}: cu_seqlens must end at the sequence length T={T}, got {offsets[-1]}"
-        )
-    return offsets
+    """A packed-documents table (flash-linear-attention's ``cu_seqlens``) checked by hp-dtensor's
+    one validator (:func:`~hyper_parallel.dtensor.check_documents`: 1-D integer ``[0, …, T]``
+    strictly increasing, ``B == 1``; ``T`` None: the end is checked by the caller). Returns the
+    offsets as ints."""
+    return list(check_documents(cu_seqlens, total=T, batch=B, what=f"{what}: cu_seqlens"))
 
 
 def document_resets(offsets: list[int], start: int, T: int, device: torch.device) -> torch.Tensor:
@@ -150,15 +127,6 @@ def document_resets(offsets: list[int], start: int, T: int, device: torch.device
         if start <= o < start + T:
             r[0, o - start] = 1.0
     return r.to(device)
-
-
-def document_starts(offsets: list[int], start: int, T: int, device: torch.device) -> torch.Tensor:
-    """``[T]`` int64: the global offset of the document each token of the block
-    ``[start, start + T)`` belongs to."""
-    cu = torch.tensor(offsets, dtype=torch.int64)
-    pos = torch.arange(start, start + T, dtype=torch.int64)
-    idx = torch.searchsorted(cu, pos, right=True) - 1
-    return cu[idx.clamp(0, len(offsets) - 1)].to(device)
 
 
 def read_field(fn: Callable[[], Any]) -> Any:

@@ -33,7 +33,7 @@ from .chunk import compose_chunks, output_terms, run_chunks, summary_terms
 from .cost import CostParams, choose_protocol
 from .exchange import PendingExchange, StateExchange, build_state_exchange, default_width
 from .merge import choose_kernel
-from .packing import PackedBlock, packed_block
+from .packing import PackedBlock, place_block
 
 __all__ = ["kda_context_parallel"]
 
@@ -130,6 +130,7 @@ def _kda_fields(
     cost_params: CostParams | None = None,
     cu_seqlens: Any = None,
     packed: PackedBlock | None = None,
+    sequence_context: Any = None,
 ) -> tuple[Any, dict[str, Any]] | None:
     """:func:`kda_context_parallel`'s consistency signature (the nested halo, block placement
     and exchange compare nothing more)."""
@@ -137,13 +138,19 @@ def _kda_fields(
         return None  # rejected on every rank by build_state_exchange, before communicating
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     dims = read_field(lambda: (q.shape[0], q.shape[2], q.shape[3], v.shape[3]))
-    table = packed.offsets if isinstance(packed, PackedBlock) else table_values(cu_seqlens)
+    table = table_values(cu_seqlens)
+    if isinstance(packed, PackedBlock):
+        table = packed.offsets
+    elif sequence_context is not None:
+        table = getattr(sequence_context, "offsets", "<not a SequenceContext>")
     options = {
         "protocol": protocol, "group_size": group_size, "kernel": kernel, "scale": scale,
         "chunk_size": chunk_size, "output_final_state": output_final_state,
         "cost_params": cost_params, "cu_seqlens": table,
-        # whether this call gathers the block lengths itself (a caller's PackedBlock: no)
+        # whether this call gathers the block lengths itself (a caller's PackedBlock or
+        # sequence context: no), and whether it compares the context's fingerprint
         "places_blocks": cu_seqlens is not None and packed is None,
+        "checks_context": bool(getattr(sequence_context, "needs_check", False)),
     }  # fmt: skip
     return mesh.get_group(0), call_signature(tensors, dims, mesh, options)
 
@@ -235,6 +242,7 @@ def kda_context_parallel(
     cost_params: CostParams | None = None,
     cu_seqlens: torch.Tensor | None = None,
     packed: PackedBlock | None = None,
+    sequence_context: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA with the sequence split across the ranks of the 1-D ``mesh`` (rank ``r`` holds the
     ``r``-th contiguous chunk, chunks may differ in length).
@@ -259,6 +267,11 @@ def kda_context_parallel(
     so the exchange is the same size for any number of documents; placing the block costs one
     all-gather of the block lengths (see :mod:`hyper_parallel.kda.packing`; ``packed``, from
     :func:`~hyper_parallel.kda.packing.packed_block`, skips it when the caller placed it).
+    ``sequence_context`` (hp-dtensor's :class:`~hyper_parallel.dtensor.SequenceContext` over
+    ``mesh``, describing this block; instead of ``cu_seqlens``): the documents and the block's
+    place from the context, with no host read and no gather (an unchecked context's fingerprint
+    is compared once, with one all-gather); ranks given different tables raise
+    ``SequenceMismatchError`` on every rank, also with consistency mode off.
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): once per call,
     before any check or collective, every rank of ``mesh`` compares ``(B, H, K, V)``, the
@@ -272,8 +285,10 @@ def kda_context_parallel(
     the ranks.
     """
     B, T, *_ = check_inputs(q, k, v, g, beta, initial_state, chunk_size, kernel, mesh)
-    if cu_seqlens is not None and packed is None:
-        packed = packed_block(cu_seqlens, mesh, B, T, q.device, "kda_context_parallel")
+    packed = place_block(
+        mesh, B, T, q.device, "kda_context_parallel",
+        cu_seqlens=cu_seqlens, packed=packed, context=sequence_context,
+    )  # fmt: skip
     ex = executor_for(mesh, protocol, group_size, kernel, cost_params)
     return run_with_executor(
         q, k, v, g, beta, ex, scale=scale, initial_state=initial_state,

@@ -41,18 +41,17 @@ from hyper_parallel.dtensor.rewrite import (
 
 from ._checks import check_kernel_dims
 from ._renamed import accepts_backend
+from ._signatures import LAYER, forward_fields, layer_signature
 from .exchange import PROTOCOLS, StateExchange
 from .halo import start_causal_conv_halo
 from .layer import (
     check_inputs,
-    chosen_protocol,
     executor_for,
     read_field,
     run_with_executor,
-    table_values,
 )
-from .merge import KERNELS, choose_kernel
-from .packing import PackedBlock, packed_block
+from .merge import KERNELS
+from .packing import document_conv, place_block
 
 __all__ = [
     "SUPPORTED_KDA_CLASSES",
@@ -68,7 +67,6 @@ SUPPORTED_KDA_CLASSES = ("KimiLinearDeltaAttention",)
 _ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj",
                "g_b_proj", "o_norm", "o_proj", "num_heads", "head_dim", "conv_kernel_size",
                "activation", "hidden_size")  # fmt: skip
-LAYER = "parallelize_kda"  # the name this rewrite is installed under (hp-dtensor's rewrite)
 
 # The activations transformers' ACT2FN gives these names, as plain torch functions.
 _ACTIVATIONS: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -129,65 +127,6 @@ def _check_call(
         )
 
 
-def _forward_fields(
-    self: Any,
-    hidden_states: Any,
-    cache_params: Any = None,
-    attention_mask: Any = None,
-    **kwargs: Any,
-) -> tuple[Any, dict[str, Any]]:
-    """One forward's consistency signature, compared once before anything else: it also
-    covers what the halo, the block placement and the recurrence would compare (their inputs
-    derive from ``hidden_states``, the layer, the autocast state and the module's options).
-    Not compared: the block length ``T_r`` (blocks may differ)."""
-    state: _KDAState = parallel_state(self, LAYER)
-    x, mesh = hidden_states, state.mesh
-    B = read_field(lambda: x.shape[0])
-    dims = read_field(lambda: (x.shape[0], self.num_heads, self.head_dim, self.head_dim))
-    params = list(self.parameters())
-    kernel = state.executor.kernel
-    given = (("cache_params", cache_params), ("attention_mask", attention_mask),
-             ("seq_idx", kwargs.get("seq_idx")))  # fmt: skip
-    return mesh.get_group(0), {
-        "hidden_states_B_D": read_field(lambda: (B, x.shape[-1])),
-        "dtype": read_field(lambda: str(x.dtype)),
-        "device": read_field(lambda: x.device.type),
-        "rejected_arguments": tuple(name for name, value in given if value is not None),
-        "cu_seqlens": table_values(kwargs.get("cu_seqlens")),
-        "halo_width": read_field(lambda: self.conv_kernel_size - 1),
-        "protocol": state.protocol,
-        "group_size": state.group_size,
-        "protocol_chosen": read_field(
-            lambda: chosen_protocol(mesh, state.protocol, state.group_size, dims, None)
-        ),
-        "kernel": kernel,
-        "kernel_chosen": read_field(
-            lambda: choose_kernel(x.device, self.head_dim, self.head_dim, kernel)[0]
-        ),
-        "layer": read_field(lambda: _layer_signature(self)),
-        "param_dtypes": sorted({str(p.dtype) for p in params}),
-        "autocast": read_field(lambda: _autocast_state(x.device.type)),
-        "training": self.training,
-        "grad_enabled": torch.is_grad_enabled(),
-        "needs_grad": read_field(
-            lambda: torch.is_grad_enabled() and (x.requires_grad or _any_grad(params))
-        ),
-        "cp_size": mesh.size(),
-    }
-
-
-def _any_grad(params: list[torch.Tensor]) -> bool:
-    return any(p.requires_grad for p in params)
-
-
-def _autocast_state(device_type: str) -> Any:
-    """Autocast on ``device_type``: its dtype, or False (the projections' output dtype, so
-    the halo's, follows it)."""
-    if not torch.is_autocast_enabled(device_type):
-        return False
-    return str(torch.get_autocast_dtype(device_type))
-
-
 def _cp_forward(
     self: Any,
     hidden_states: torch.Tensor,
@@ -199,9 +138,10 @@ def _cp_forward(
     _check_call(self, hidden_states, cache_params, attention_mask, kwargs)
     x = hidden_states
     B, T, _ = x.shape
-    packed = None
-    if kwargs.get("cu_seqlens") is not None:
-        packed = packed_block(kwargs["cu_seqlens"], state.mesh, B, T, x.device, "parallelize_kda")
+    packed = place_block(
+        state.mesh, B, T, x.device, "parallelize_kda",
+        cu_seqlens=kwargs.get("cu_seqlens"), context=kwargs.get("sequence_context"),
+    )  # fmt: skip
     heads = (B, T, self.num_heads, self.head_dim)
     mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
     pending = start_causal_conv_halo(mixed, self.conv_kernel_size, state.mesh, seq_dim=1)
@@ -214,7 +154,7 @@ def _cp_forward(
     rows = torch.cat([pending.wait(), mixed], dim=1).transpose(1, 2)  # [B, C, W-1+T]
     weight = self.conv1d.weight  # [C, 1, W]
     if T and packed is not None:
-        conv = _document_conv(rows.to(weight.dtype), weight, self.conv1d.bias, packed)
+        conv = document_conv(rows.to(weight.dtype), weight, self.conv1d.bias, packed)
     elif T:
         conv = F.conv1d(rows.to(weight.dtype), weight, self.conv1d.bias, groups=weight.shape[0])
     else:  # no outputs, but still tied to the halo: its backward must run on this rank too
@@ -228,41 +168,11 @@ def _cp_forward(
     return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.num_heads * self.head_dim))
 
 
-def _document_conv(
-    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedBlock
-) -> torch.Tensor:
-    """The depthwise causal convolution of ``rows [B, C, W−1+T]`` (halo, then the block) that
-    reads no row of an earlier document: tap ``j`` of output ``t`` reads global row
-    ``start + t − (W−1) + j``, kept only when it is not before ``t``'s document start (the
-    serial convolution of each document alone pads with zeros there)."""
-    W, T = weight.shape[-1], packed.length
-    pos = torch.arange(packed.start, packed.start + T, device=rows.device) - (W - 1)
-    out = None
-    for j in range(W):
-        keep = (pos + j >= packed.doc_start).to(rows.dtype)
-        term = rows[..., j : j + T] * (weight[:, 0, j, None] * keep)
-        out = term if out is None else out + term
-    assert out is not None
-    return out if bias is None else out + bias[:, None]
-
-
-def _layer_signature(module: Any) -> tuple[Any, ...]:
-    """The sizes and parameter dtype of a KDA layer (compared across ranks when checking)."""
-    return (
-        module.hidden_size,
-        module.num_heads,
-        module.head_dim,
-        module.conv_kernel_size,
-        module.activation,
-        str(module.q_proj.weight.dtype),
-    )
-
-
 def _make_forward(cls: type) -> Callable[..., torch.Tensor]:
     """The rewritten forward of a stock KDA class (its signature and doc kept)."""
 
     @functools.wraps(cls.forward)  # type: ignore[attr-defined]  # the stock signature and doc
-    @checked_entry(f"parallelize_kda ({cls.__name__}) forward", _forward_fields)
+    @checked_entry(f"parallelize_kda ({cls.__name__}) forward", forward_fields)
     def forward(
         self: Any,
         hidden_states: torch.Tensor,
@@ -332,7 +242,7 @@ def _parallelize_fields(
         "group_size": group_size,
         "kernel": kernel,
         "module": type(module).__name__,
-        "layer": read_field(lambda: _layer_signature(module)),
+        "layer": read_field(lambda: layer_signature(module)),
         "cp_size": read_field(cp_mesh.size),
     }
 
@@ -374,16 +284,22 @@ def parallelize_kda(
     rank, ``B == 1``) gives this rank's rows of the serial layer run on each document alone:
     the convolution reads no row of an earlier document and the recurrence restarts from zero
     at each start (see :mod:`hyper_parallel.kda.packing`: one all-gather of the block lengths,
-    then the same exchanges as without documents).
+    then the same exchanges as without documents). ``module(hidden_states,
+    sequence_context=ctx)`` instead (hp-dtensor's ``SequenceContext`` over ``cp_mesh``, built
+    once per forward by the caller, e.g. hp-models) takes the documents and the block's place
+    from the context: no host read of the table, no gather (an unchecked context's
+    fingerprint is compared once, with one all-gather). Ranks given different tables raise
+    ``SequenceMismatchError`` on every rank, also with consistency mode off.
 
     Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the
     executor is built, the ranks of ``cp_mesh`` compare ``protocol``, ``group_size``,
     ``kernel``, the layer's class, sizes and parameter dtype. Each forward is compared once,
     before anything else: ``hidden_states``' batch and feature sizes, dtype and device type
     (not its block length ``T_r``), the rejected arguments given, the ``cu_seqlens`` table's
-    values, the halo width ``W − 1``, the protocol and what ``"auto"`` chose, the fold kernel,
-    the layer's sizes and parameter dtypes, the autocast state, training mode, whether
-    autograd records and whether gradients flow; the halo, the block placement and the
+    values (a sequence context's table, block lengths and whether it is unchecked), the halo
+    width ``W − 1``, the protocol and what ``"auto"`` chose, the fold kernel, the layer's sizes
+    and parameter dtypes, the autocast state, training mode, whether autograd records and
+    whether gradients flow; the halo, the block placement and the
     recurrence it runs compare nothing more (their inputs follow from these), nor does its
     backward.
     """
