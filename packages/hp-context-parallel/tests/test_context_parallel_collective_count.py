@@ -9,9 +9,11 @@ are exactly the schedule's — the launches the event recorder lists, and the nu
 strategies document: expanded a2a Q, K, V, O forward and dO, dQ, dK, dV backward; latent
 all-gather of the latent and a2a Q, O forward, a2a dO, dQ and the latent's reduce-scatter
 backward — and no all-reduce (the former per-call agreement step). The forward also reads
-nothing back to the host for a plain causal call, and only the packed-documents table (a CPU
-tensor here: no device sync) once with one. With consistency mode on the ranks' comparison
-adds its two all-gathers per forward, and still no all-reduce.
+nothing back to the host for a plain causal call; with packed documents given as a table, the
+table (a CPU tensor here: no device sync) once and the table fingerprints the first exchange
+brought (every rank's, compared so that ranks given different tables all raise) once. With
+consistency mode on the ranks' comparison adds its two all-gathers per forward, and still no
+all-reduce.
 """
 
 from __future__ import annotations
@@ -182,8 +184,8 @@ def test_one_forward_issues_only_the_schedules_collectives():
             assert got["backward"] == bwd, (tag, got["backward"])
             assert "all_reduce" not in got["forward"], tag  # no per-call agreement step
             if not consistency:
-                # no host read for a plain causal call; the CPU table read once if packed
-                assert got["forward_reads"] == ({"tolist": 1} if packed else {}), (
+                # no host read for a plain causal call; packed: the table and the fingerprints
+                assert got["forward_reads"] == ({"tolist": 2} if packed else {}), (
                     tag,
                     got["forward_reads"],
                 )

@@ -21,20 +21,27 @@ on the one block that has padding, tables or blocks that differ, a collective le
 rank) make every rank raise the same ``InconsistentRanksError`` instead of some ranks
 entering the all-to-alls alone. With consistency mode off such inputs are not detected: ranks
 whose blocks differ in shape, or of which only some reject, hang or fail in the first
-collective; ranks whose tables differ compute wrong attention (the exchanges do not depend on
-the table).
+collective. Ranks whose tables differ (the exchanges do not depend on the table) are caught
+with consistency mode off too: the call's sequence context (hp-dtensor's
+:class:`~hyper_parallel.dtensor.SequenceContext`, built here from the table, or the caller's)
+carries the table's fingerprint, which the schedule folds into its first exchange if the ranks
+have not compared it yet (``pipeline.run_pipeline``), and every rank raises the same
+``SequenceMismatchError`` before the forward returns.
 
 Host syncs before the schedule (consistency mode off), all local, none added by admission:
 
 - a 4-D ``attention_mask`` tensor (HF's eager path; sdpa and flash pass None): its entries are
   compared with the causal pattern on its device and the result read (one device-to-host sync
   per call when the mask is on an accelerator; none for None or a CPU mask);
-- a packed-documents table: its values are read to the host once (``tolist()``) to check it;
-  a CPU table costs no device sync; a table on an accelerator costs one (unavoidable when
-  validating locally, and the NPU fused attention's ``TND`` form takes the offsets as host
-  ints anyway: :class:`Admission` hands it this host copy, so the attention reads nothing
-  back). A CPU table is then copied to the accelerator without blocking on CUDA (a fresh
-  pageable tensor, staged at once); elsewhere the copy is blocking.
+- a packed-documents table given as ``cu_seqlens`` (or HF's names): validated by hp-dtensor's
+  ``check_documents``, its values read to the host once (``tolist()``) while building the
+  call's sequence context; a CPU table costs no device sync; a table on an accelerator costs
+  one (unavoidable when validating locally, and the NPU fused attention's ``TND`` form takes
+  the offsets as host ints anyway: the context hands it this host copy, so the attention reads
+  nothing back). A CPU table is then copied to the accelerator without blocking on CUDA (a
+  fresh pageable tensor, staged at once); elsewhere the copy is blocking;
+- a ``sequence_context`` (the caller's, e.g. hp-models' one per forward): nothing is read; it
+  must describe this rank's block of this group (equal blocks) and come without a table.
 
 "Plain causal" masks (HF builds one per call, depending on the attention implementation):
 None (HF's sdpa / flash paths for a causal block), or a 4-D ``[1 or B, 1 or H, S/P, L]``
@@ -56,24 +63,50 @@ from torch import Tensor
 from hyper_parallel.context_parallel.families import MLACall, MLAFamily
 from hyper_parallel.context_parallel.mla import MLAConfig
 from hyper_parallel.context_parallel.transport import BLOCK_OWNER, Group, leak_message, leaked_by
-from hyper_parallel.dtensor import check_consistent
+from hyper_parallel.dtensor import (
+    SequenceContext,
+    check_consistent,
+    check_documents,
+    sequence_context,
+)
 from hyper_parallel.dtensor.consistency import consistency_enabled
 
 __all__ = ["Admission", "admit", "check_call_consistent", "mask_problem", "table_problem"]
 
 _TABLE_KEYS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")  # ours, then HF's flash names
+_CONTEXT_KEY = "sequence_context"  # hp-dtensor's SequenceContext, e.g. hp-models' per forward
+
+
+def _context_fields(ctx: Any) -> Any:
+    """A sequence context as compared across ranks (its table, whether unchecked, the block
+    lengths), None for none."""
+    if ctx is None:
+        return None
+    try:
+        return (ctx.offsets, ctx.needs_check, ctx.lengths)
+    except AttributeError:
+        return type(ctx).__name__
 
 
 @dataclass(frozen=True)
 class Admission:
-    """What the schedule needs from an admitted call: B, S/P and the packed documents' global
-    offsets ``[0, …, S]`` — ``documents`` int64 on the block's device, ``offsets`` the same
-    values as host ints (read once by the check) — or None for both."""
+    """What the schedule needs from an admitted call: B, S/P and its sequence context (the
+    packed documents' global offsets ``[0, …, S]`` on the block's device and as host ints,
+    their fingerprint), or None for a call without documents or context."""
 
     batch: int
     s_local: int
-    documents: Tensor | None = None
-    offsets: tuple[int, ...] | None = None
+    context: SequenceContext | None = None
+
+    @property
+    def documents(self) -> Tensor | None:
+        """The documents' offsets, int64 on the block's device (None: one document)."""
+        return None if self.context is None else self.context.documents
+
+    @property
+    def offsets(self) -> tuple[int, ...] | None:
+        """The same values as host ints (None: one document)."""
+        return None if self.context is None else self.context.offsets
 
 
 def admit(
@@ -88,63 +121,30 @@ def admit(
     collective of an earlier call: ``RuntimeError``), with no communication. In consistency
     mode the ranks first compare their calls and verdicts (:func:`check_call_consistent`):
     ranks that disagree raise ``InconsistentRanksError`` on every rank, naming the field."""
-    error, offsets = _judge(module, family, dims, call, group.size, group.rank)
+    error, context = _judge(module, family, dims, call, group)
     verdict = "ok" if error is None else f"{type(error).__name__}: {error}"
     check_call_consistent(module, family, dims, call, group.pg, options, verdict)
     if error is not None:
         raise error
     x: Tensor = call.hidden_states
-    b, s = int(x.shape[0]), int(x.shape[1])
-    if offsets is None:
-        return Admission(b, s)
-    return Admission(b, s, _on_device(_table(call), offsets, x.device), tuple(offsets))
-
-
-def _table(call: MLACall) -> Tensor:
-    """The packed documents' table of an admitted call with one (its first table argument)."""
-    return next(call.kwargs[k] for k in _TABLE_KEYS if call.kwargs.get(k) is not None)
-
-
-def _on_device(table: Tensor, offsets: list[int], device: torch.device) -> Tensor:
-    """The validated table as int64 on ``device`` without waiting for the device: a table
-    already there is cast in place (no copy if int64); otherwise the host values are copied
-    from a fresh pageable tensor, which CUDA stages before returning (``non_blocking``: no
-    stream sync); other accelerators copy blocking."""
-    if table.device == device:
-        return table.to(torch.int64)
-    host = torch.tensor(offsets, dtype=torch.int64)
-    return host.to(device, non_blocking=device.type == "cuda")
+    return Admission(int(x.shape[0]), int(x.shape[1]), context)
 
 
 def table_problem(tables: dict[str, Any], b: int, s_full: int) -> tuple[str | None, list[int]]:
     """``(None, offsets)`` if the given tables (``cu_seqlens`` and/or HF's
     ``cu_seq_lens_q``/``_k``) are one valid packed-documents table for a ``[b, s_full]``
-    sequence (``offsets``: its values, read to the host once per table), else
-    ``(reason, [])``."""
-    first: list[int] | None = None
+    sequence (hp-dtensor's ``check_documents``; ``offsets``: its values, read to the host once
+    per table), else ``(reason, [])``."""
+    first: tuple[int, ...] | None = None
     for key, cu in tables.items():
-        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 2:
-            got = tuple(cu.shape) if isinstance(cu, Tensor) else type(cu).__name__
-            return f"{key} must be a 1-D tensor [0, …, S] with at least 2 entries, got {got}", []
-        if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
-            return f"{key} must be an integer tensor, got {cu.dtype}", []
-        values = [int(v) for v in cu.tolist()]  # the one host read (a sync if on a device)
-        if values[0] != 0:
-            return f"{key} must start at 0, got {values[0]}", []
-        if values[-1] != s_full:
-            return f"{key} must end at the sequence length S={s_full}, got {values[-1]}", []
-        if any(q <= p for p, q in zip(values, values[1:])):
-            return (
-                f"{key} must be strictly increasing (every document non-empty), got {values}",
-                [],
-            )
+        try:
+            values = check_documents(cu, total=s_full, batch=b, what=key, length_name="S")
+        except ValueError as exc:
+            return str(exc), []
         if first is not None and values != first:
             return f"{' and '.join(tables)} give different tables", []
         first = values
-    if b != 1:
-        names = ", ".join(tables)
-        return f"packed documents ({names}) need batch size 1 (one packed row), got B={b}", []
-    return None, first or []
+    return None, list(first or ())
 
 
 def check_call_consistent(
@@ -190,6 +190,7 @@ def check_call_consistent(
             for t in (call.kwargs.get(key) for key in _TABLE_KEYS)
             if t is not None
         ],
+        sequence_context=_context_fields(call.kwargs.get(_CONTEXT_KEY)),
         training=bool(getattr(module, "training", False)),
         dropout=family.dropout(module),
         grad_enabled=torch.is_grad_enabled(),
@@ -198,11 +199,12 @@ def check_call_consistent(
 
 
 def _judge(
-    module: Any, family: MLAFamily, c: MLAConfig, call: MLACall, size: int, rank: int
-) -> tuple[Exception | None, list[int] | None]:
-    """This rank's verdict on its own call, without communicating: ``(None, offsets)`` if
-    admitted (``offsets``: the packed documents' host values, or None), else
-    ``(error, None)`` with the error to raise."""
+    module: Any, family: MLAFamily, c: MLAConfig, call: MLACall, group: Group
+) -> tuple[Exception | None, SequenceContext | None]:
+    """This rank's verdict on its own call, without communicating: ``(None, context)`` if
+    admitted (``context``: the caller's sequence context, one built from its table, or None),
+    else ``(error, None)`` with the error to raise."""
+    size, rank = group.size, group.rank
     leaked = leaked_by(BLOCK_OWNER)
     if leaked:
         return RuntimeError(leak_message("context-parallel MLA forward", leaked)), None
@@ -225,19 +227,56 @@ def _judge(
         problem = _rope_problem(call.position_embeddings, x, c)
         if problem is not None:
             return ValueError(problem), None
-    offsets: list[int] | None = None
-    tables = {k: call.kwargs[k] for k in _TABLE_KEYS if call.kwargs.get(k) is not None}
-    if tables:
-        problem, offsets = table_problem(tables, x.shape[0], x.shape[1] * size)
-        if problem is not None:
-            return ValueError(problem), None
+    try:
+        context = _context(call, group, x)
+    except ValueError as exc:
+        return exc, None
     p = family.dropout(module)
     if p > 0:
         return ValueError(
             f"attention dropout {p} is not supported in training; set "
             "config.attention_dropout = 0.0 or call module.eval()"
         ), None
-    return None, offsets
+    return None, context
+
+
+def _context(call: MLACall, group: Group, x: Tensor) -> SequenceContext | None:
+    """The call's sequence context: the caller's (checked against the block: equal blocks of
+    this group, no table besides), or one built from its table(s) (validated; several must be
+    equal), or None. ``ValueError`` for a bad table or context."""
+    b, s = int(x.shape[0]), int(x.shape[1])
+    tables = {k: call.kwargs[k] for k in _TABLE_KEYS if call.kwargs.get(k) is not None}
+    given = call.kwargs.get(_CONTEXT_KEY)
+    if given is not None:
+        if not isinstance(given, SequenceContext):
+            raise ValueError(
+                f"{_CONTEXT_KEY} must be a hyper_parallel.dtensor.SequenceContext, got "
+                f"{type(given).__name__}"
+            )
+        if tables:
+            raise ValueError(
+                f"give the documents either as {' / '.join(tables)} or in {_CONTEXT_KEY}, not both"
+            )
+        given.check_block(group.size, group.rank, s, "context-parallel MLA forward")
+        if any(n != s for n in given.lengths):
+            raise ValueError(
+                f"context-parallel MLA needs equal blocks of S/P tokens, but the sequence "
+                f"context's blocks are {list(given.lengths)}"
+            )
+        if given.packed and b != 1:
+            raise ValueError(
+                f"packed documents ({_CONTEXT_KEY}) need batch size 1 (one packed row), got B={b}"
+            )
+        return given
+    context = None
+    for key, cu in tables.items():
+        mine = sequence_context(
+            group, s, cu_seqlens=cu, batch=b, device=x.device, what=key, length_name="S"
+        )
+        if context is not None and mine.offsets != context.offsets:
+            raise ValueError(f"{' and '.join(tables)} give different tables")
+        context = context or mine
+    return context
 
 
 def _rope_problem(pe: Any, x: Tensor, c: MLAConfig) -> str | None:

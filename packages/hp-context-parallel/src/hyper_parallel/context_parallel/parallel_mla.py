@@ -88,7 +88,8 @@ def _run(m: Any, call: MLACall) -> Tensor:
     x: Tensor = call.hidden_states
     rope = fam.rope(m, call, st.rank * adm.s_local, c)
     groups = _head_groups(st, x, c).count
-    pl = Pipeline(m, c, st.group, groups, st.overlap)
+    check = adm.context if adm.context is not None and adm.context.needs_check else None
+    pl = Pipeline(m, c, st.group, groups, st.overlap, check)
     return run_pipeline(pl, st.strategy, x, rope, fam.scale(m), adm)
 
 
@@ -209,7 +210,12 @@ def parallelize_mla(
     ``position_embeddings`` come from per-document positions). The exchanges are unchanged.
     A table not starting at 0, not ending at S, not strictly increasing, or given with
     ``B > 1`` raises ``ValueError`` before the schedule's first collective (on every rank
-    given it); tables differing across ranks are detected in consistency mode.
+    given it). ``sequence_context=ctx`` instead (hp-dtensor's ``SequenceContext`` over
+    ``cp_mesh``, equal blocks, e.g. hp-models' one per forward) hands the documents over
+    validated: nothing is read back to the host. Tables differing across ranks raise
+    ``SequenceMismatchError`` on every rank before the forward returns, also with consistency
+    mode off: the first exchange carries the table's fingerprint unless the context was
+    already compared (see ``pipeline.py``).
 
     ``strategy``: ``"expanded"`` (a2a of Q, K and V) or ``"latent"`` (a2a of Q, all-gather of
     the ``kv_lora_rank + qk_rope_head_dim`` latent; ``strategies.py``). ``overlap``: overlap

@@ -25,13 +25,21 @@ weight-gradient matmul (dQ and the reduce-scatter in flight); the Q projection b
 
 ``overlap=False`` (G = 1 only, checked by ``parallelize_mla``): the same steps in the same
 order, each collective blocking where it is launched above, and ``o_proj`` the module's own.
+
+Packed documents whose sequence context the ranks have not compared yet (a table given to this
+layer alone, or a caller's unchecked context): the first exchange (expanded: a2a K; latent: the
+all-gather of the latent) carries the table's fingerprint in one extra row
+(hp-dtensor's ``SequenceContext.fingerprinted``: result and gradients bit for bit the same);
+once every forward collective is waited, the ranks compare what it brought and all raise the
+same ``SequenceMismatchError`` if the tables differ (one device-to-host read of the
+fingerprints, once per context; a context that is checked costs nothing).
 Each overlapped collective is a pair of autograd nodes (launch, wait); autograd's ready queue
 runs the later-created independent nodes between them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -50,6 +58,8 @@ from hyper_parallel.context_parallel.head_groups import merge_heads, split_heads
 from hyper_parallel.context_parallel.mla import MLAConfig, Rope, project_q
 from hyper_parallel.context_parallel.strategies import STRATEGY_CLASSES
 from hyper_parallel.context_parallel.transport import BLOCK_OWNER, Group
+from hyper_parallel.dtensor import SequenceContext
+from hyper_parallel.dtensor.fingerprint import FingerprintedExchange
 
 __all__ = ["Pipeline", "Sent", "run_pipeline"]
 
@@ -74,6 +84,8 @@ class Pipeline:
     group: Group
     groups: int
     overlap: bool
+    check: SequenceContext | None = None  # an unchecked context: its fingerprint rides along
+    _folded: list[FingerprintedExchange] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -104,7 +116,11 @@ class Pipeline:
         return (x,) if self.groups == 1 else x.chunk(self.groups, dim=2)
 
     def send(self, x: Tensor, ex: Exchange) -> Sent:
-        """Start ``ex`` on ``x``: launched (``overlap``) or run at once (blocking)."""
+        """Start ``ex`` on ``x``: launched (``overlap``) or run at once (blocking). The first
+        exchange of a pipeline with an unchecked context carries its fingerprint."""
+        if self.check is not None and not self._folded and FingerprintedExchange.fits(x):
+            self._folded.append(self.check.fingerprinted(ex, dim=1))
+            ex = self._folded[0]  # type: ignore[assignment]  # the same four methods
         if self.overlap:
             return Sent(ex, token=launch(x, ex))
         return Sent(ex, result=blocking(x, ex))
@@ -115,6 +131,18 @@ class Pipeline:
             return wait(sent.token, sent.ex)
         assert sent.result is not None
         return sent.result
+
+    def compare(self, device: Any) -> None:
+        """After every forward collective: the ranks compare the context's fingerprint, from
+        what the first exchange brought (or, if it could not carry it, by one all-gather);
+        ``SequenceMismatchError`` on every rank if the tables differ."""
+        if self.check is None:
+            return
+        what = "context-parallel MLA forward"
+        if self._folded:
+            self.check.check(self._folded[0].received(), what)
+        else:
+            self.check.verify(device, what)
 
 
 def run_pipeline(
@@ -143,7 +171,9 @@ def run_pipeline(
         o_h = attend(q_h, k_h, v_h, scale, adm.documents, offsets=adm.offsets)
         (o_h,) = mark(name, False, o_h)
         sent_o.append(pl.send(o_h, pl.a2a("o", g, "h2s")))
-    return _o_proj(pl, sent_o)
+    y = _o_proj(pl, sent_o)
+    pl.compare(x.device)  # every forward collective waited: an unchecked table compared
+    return y
 
 
 def _o_proj(pl: Pipeline, sent: list[Sent]) -> Tensor:
