@@ -6,7 +6,6 @@ the same kind of input raise the same ``ValueError`` before any communication.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,12 +128,9 @@ def document_resets(offsets: list[int], start: int, T: int, device: torch.device
     return r.to(device)
 
 
-def read_field(fn: Callable[[], Any]) -> Any:
-    """``fn()``, or the error it raises as a value. A consistency signature only reads the
-    call's arguments and must never raise (a rank that raised while its peers compare would
-    leave them waiting): a rank whose arguments cannot be read, or whose local decision
-    fails, is reported by the comparison as disagreeing instead."""
-    try:
-        return fn()
-    except Exception as exc:  # any failure becomes a compared value
-        return f"<error: {type(exc).__name__}: {exc}>"
+def table_values(cu_seqlens: Any) -> Any:
+    """A ``cu_seqlens`` table as compared across ranks in consistency mode: its values (None
+    for none). Only reads (hp-dtensor's ``checked_entry`` guards it)."""
+    if cu_seqlens is None:
+        return None
+    return tuple(int(x) for x in cu_seqlens.reshape(-1).tolist())

@@ -9,66 +9,84 @@ import torch
 
 from hyper_parallel.dtensor.rewrite import parallel_state
 
-from .layer import chosen_protocol, read_field, table_values
+from ._checks import table_values
+from .layer import chosen_protocol
 from .merge import choose_kernel
 
 LAYER = "parallelize_kda"  # the name this rewrite is installed under (hp-dtensor's rewrite)
 
 
-def forward_fields(
-    self: Any,
-    hidden_states: Any,
-    cache_params: Any = None,
-    attention_mask: Any = None,
-    **kwargs: Any,
-) -> tuple[Any, dict[str, Any]]:
-    """One forward's consistency signature, compared once before anything else: it also
-    covers what the halo, the block placement and the recurrence would compare (their inputs
-    derive from ``hidden_states``, the layer, the autocast state and the module's options).
-    Not compared: the block length ``T_r`` (blocks may differ)."""
-    state = parallel_state(self, LAYER)
-    x, mesh = hidden_states, state.mesh
-    B = read_field(lambda: x.shape[0])
-    dims = read_field(lambda: (x.shape[0], self.num_heads, self.head_dim, self.head_dim))
-    params = list(self.parameters())
-    kernel = state.executor.kernel
-    given = (("cache_params", cache_params), ("attention_mask", attention_mask),
-             ("seq_idx", kwargs.get("seq_idx")))  # fmt: skip
-    return mesh.get_group(0), {
-        "hidden_states_B_D": read_field(lambda: (B, x.shape[-1])),
-        "dtype": read_field(lambda: str(x.dtype)),
-        "device": read_field(lambda: x.device.type),
-        "rejected_arguments": tuple(name for name, value in given if value is not None),
-        "cu_seqlens": table_values(kwargs.get("cu_seqlens")),
-        "sequence_context": _context_fields(kwargs.get("sequence_context")),
-        "halo_width": read_field(lambda: self.conv_kernel_size - 1),
-        "protocol": state.protocol,
-        "group_size": state.group_size,
-        "protocol_chosen": read_field(
-            lambda: chosen_protocol(mesh, state.protocol, state.group_size, dims, None)
-        ),
-        "kernel": kernel,
-        "kernel_chosen": read_field(
-            lambda: choose_kernel(x.device, self.head_dim, self.head_dim, kernel)[0]
-        ),
-        "layer": read_field(lambda: layer_signature(self)),
-        "param_dtypes": sorted({str(p.dtype) for p in params}),
-        "autocast": read_field(lambda: _autocast_state(x.device.type)),
-        "training": self.training,
-        "grad_enabled": torch.is_grad_enabled(),
-        "needs_grad": read_field(
-            lambda: torch.is_grad_enabled() and (x.requires_grad or _any_grad(params))
-        ),
-        "cp_size": mesh.size(),
-    }
+def _state(args: Any) -> Any:
+    return parallel_state(args.self, LAYER)
 
 
-def _context_fields(ctx: Any) -> Any:
+def forward_mesh(args: Any) -> Any:
+    """The mesh a forward compares over: the layer's CP mesh."""
+    return _state(args).mesh
+
+
+def _rejected(args: Any) -> tuple[str, ...]:
+    given = (("cache_params", args.cache_params), ("attention_mask", args.attention_mask),
+             ("seq_idx", args.kwargs.get("seq_idx")))  # fmt: skip
+    return tuple(name for name, value in given if value is not None)
+
+
+def _protocol_chosen(args: Any) -> Any:
+    self, x, state = args.self, args.hidden_states, _state(args)
+    dims = (x.shape[0], self.num_heads, self.head_dim, self.head_dim)
+    return chosen_protocol(state.mesh, state.protocol, state.group_size, dims, None)
+
+
+def _kernel_chosen(args: Any) -> Any:
+    self, kernel = args.self, _state(args).executor.kernel
+    return choose_kernel(args.hidden_states.device, self.head_dim, self.head_dim, kernel)[0]
+
+
+def _context(args: Any) -> Any:
     """A sequence context as compared across ranks: its table, whether it is still unchecked
     (the forward then gathers its fingerprint) and the block lengths (None for none)."""
-    if ctx is None:
-        return None
-    return read_field(lambda: (ctx.offsets, ctx.needs_check, ctx.lengths))
+    ctx = args.kwargs.get("sequence_context")
+    return None if ctx is None else (ctx.offsets, ctx.needs_check, ctx.lengths)
+
+
+def _needs_grad(args: Any) -> bool:
+    x, params = args.hidden_states, list(args.self.parameters())
+    return torch.is_grad_enabled() and (x.requires_grad or _any_grad(params))
+
+
+# One forward's consistency fields (``checked_entry``'s ``extra``, over :func:`forward_mesh`),
+# compared once before anything else: they also cover what the halo, the block placement and
+# the recurrence would compare (their inputs derive from ``hidden_states``, the layer, the
+# autocast state and the module's options). Not compared: the block length ``T_r`` (blocks
+# may differ).
+FORWARD_FIELDS: dict[str, Any] = {
+    "hidden_states_B_D": lambda a: (a.hidden_states.shape[0], a.hidden_states.shape[-1]),
+    "dtype": lambda a: str(a.hidden_states.dtype),
+    "device": lambda a: a.hidden_states.device.type,
+    "rejected_arguments": _rejected,
+    "cu_seqlens": lambda a: table_values(a.kwargs.get("cu_seqlens")),
+    "sequence_context": _context,
+    "halo_width": lambda a: a.self.conv_kernel_size - 1,
+    "protocol": lambda a: _state(a).protocol,
+    "group_size": lambda a: _state(a).group_size,
+    "protocol_chosen": _protocol_chosen,
+    "kernel": lambda a: _state(a).executor.kernel,
+    "kernel_chosen": _kernel_chosen,
+    "layer": lambda a: layer_signature(a.self),
+    "param_dtypes": lambda a: sorted({str(p.dtype) for p in a.self.parameters()}),
+    "autocast": lambda a: _autocast_state(a.hidden_states.device.type),
+    "training": lambda a: a.self.training,
+    "grad_enabled": lambda a: torch.is_grad_enabled(),
+    "needs_grad": _needs_grad,
+    "cp_size": lambda a: _state(a).mesh.size(),
+}
+
+# ``parallelize_kda``'s fields beside its options (covers the executor it builds)
+PARALLELIZE_FIELDS: dict[str, Any] = {
+    "module": lambda a: type(a.module).__name__,
+    "layer": lambda a: layer_signature(a.module),
+    "cp_size": lambda a: a.cp_mesh.size(),
+}
 
 
 def _any_grad(params: list[torch.Tensor]) -> bool:

@@ -77,15 +77,22 @@ def _waiting(works: list[Any], result: Callable[[], torch.Tensor]) -> Callable[[
     return finish
 
 
-def _exchange_fields(ex: StateExchange, S: Any, M: Any) -> tuple[Any, dict[str, Any]]:
-    """The consistency signature of a blocking exchange (:meth:`StateExchange.forward` /
-    ``backward``). The launches ``start_forward`` / ``start_backward`` compare nothing: inside
+def _exchange_fields(states: str) -> dict[str, Callable[[Any], Any]]:
+    """The consistency fields of a blocking exchange (:meth:`StateExchange.forward` /
+    ``backward``; ``states``: the argument holding them), over the executor's group. The
+    launches ``start_forward`` / ``start_backward`` compare nothing: inside
     ``kda_context_parallel`` (and a ``parallelize_kda``-ed forward) the entry point's signature
     fixes their shapes and protocol, forward and backward."""
-    return ex.group, {
-        "states": S, "maps": M, "protocol": ex.protocol, "group_size": ex.group_size,
-        "kernel": ex.kernel, "world_size": ex.world_size,
+    return {
+        "states": lambda args: getattr(args, states), "maps": lambda args: args.M,
+        "protocol": lambda args: args.self.protocol,
+        "group_size": lambda args: args.self.group_size,
+        "kernel": lambda args: args.self.kernel, "world_size": lambda args: args.self.world_size,
     }  # fmt: skip
+
+
+def _executor_group(args: Any) -> Any:
+    return args.self.group
 
 
 class StateExchange:
@@ -106,15 +113,15 @@ class StateExchange:
         # build_state_exchange: group ranks = positions here)
         self.comm_group = comm.resolve_group(mesh, "the KDA state exchange")
 
-    @checked_entry("StateExchange.forward", _exchange_fields)
+    @checked_entry("StateExchange.forward", group=_executor_group, extra=_exchange_fields("S"))
     def forward(self, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """``S: [B, H, K, V]``, ``M: [B, H, K, K]`` fp32 (this rank's summary) → ``h_in(r)``
-        ``[B, H, K, V]`` (zeros on the first rank). Consistency mode: the ranks first compare
-        ``S``, ``M`` (shape, dtype), the protocol, the group size, the fold kernel and the
-        world size."""
+        ``[B, H, K, V]`` (zeros on the first rank). Consistency mode (hp-dtensor's README,
+        "Ranks that disagree"): the ranks first compare ``S``, ``M``, the protocol, the group
+        size, the fold kernel and the world size."""
         return self.exchange_forward(S, M)
 
-    @checked_entry("StateExchange.backward", _exchange_fields)
+    @checked_entry("StateExchange.backward", group=_executor_group, extra=_exchange_fields("G"))
     def backward(self, G: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """``G: [B, H, K, V]`` (``∂L_r/∂h_in(r)``), ``M`` this rank's map → the gradient at
         this rank's outgoing state (zeros on the last rank). Consistency mode as
@@ -406,27 +413,15 @@ def default_width(P: int) -> int:
     return max(w for w in range(1, P + 1) if P % w == 0 and w * w <= P)
 
 
-def _build_fields(
-    mesh: Any,
-    protocol: Any = "auto",
-    group_size: Any = None,
-    *,
-    kernel: Any = "auto",
-    cost_params: Any = None,
-) -> tuple[Any, dict[str, Any]] | None:
-    """:func:`build_state_exchange`'s consistency signature. Compared for every protocol (not
-    only those that create sub-meshes): ranks that disagree on the protocol would otherwise
-    disagree on whether to compare at all."""
-    if getattr(mesh, "ndim", None) != 1 or not hasattr(mesh, "get_group"):
-        return None  # rejected on every rank by the checks, before communicating
-    return mesh.get_group(0), {
-        "protocol": protocol, "group_size": group_size, "kernel": kernel,
-        "cost_params": cost_params, "mesh_size": mesh.size(),
-    }  # fmt: skip
-
-
+# compared for every protocol (not only those that create sub-meshes): ranks that disagree on
+# the protocol would otherwise disagree on whether to compare at all
 @accepts_backend("build_state_exchange")
-@checked_entry("build_state_exchange", _build_fields)
+@checked_entry(
+    "build_state_exchange",
+    compare=("protocol", "group_size", "kernel", "cost_params"),
+    group="mesh",
+    extra={"mesh_size": lambda args: args.mesh.size()},
+)
 def build_state_exchange(
     mesh: Any,
     protocol: str = "auto",
@@ -443,10 +438,10 @@ def build_state_exchange(
     merge/scan fold kernel (``"auto"``, ``"torch"``, ``"triton"``; ``backend=``, its earlier
     name, still works with a ``DeprecationWarning``). Collective over the mesh only when
     the grouped sub-mesh must be created (``grouped`` / ``auto`` with P ≥ 4); every check runs
-    first and raises ``ValueError`` on every rank. Consistency mode (``HP_CHECK_CONSISTENCY=1``
-    or ``consistency_checks()``): first the ranks compare ``protocol``, ``group_size``,
-    ``kernel``, ``cost_params`` and the mesh size (inside ``kda_context_parallel`` or
-    ``parallelize_kda``, whose signatures hold these, nothing more is compared).
+    first and raises ``ValueError`` on every rank. Consistency mode (hp-dtensor's README,
+    "Ranks that disagree"): first the ranks compare ``protocol``, ``group_size``, ``kernel``,
+    ``cost_params`` and the mesh size (inside ``kda_context_parallel`` or ``parallelize_kda``,
+    whose signatures hold these, nothing more is compared).
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")

@@ -227,32 +227,25 @@ class PendingHalo:
         return overlap.wait(self, token).movedim(0, self._seq_dim)
 
 
-def _halo_fields(
-    x: Any, width: Any, mesh: Any, *, seq_dim: Any = 1
-) -> tuple[Any, dict[str, Any]] | None:
-    """:func:`start_causal_conv_halo`'s consistency signature (only reads its arguments)."""
-    from hyper_parallel.dtensor import DeviceMesh
-
-    if isinstance(mesh, DeviceMesh) and mesh.ndim == 1:
-        group = mesh.get_group(0)
-    elif isinstance(mesh, ProcessGroup):
-        group = mesh
-    else:
-        return None  # rejected on every rank by the checks, before communicating
-    fields: dict[str, Any] = {"width": width}
-    try:
-        dim = seq_dim % x.dim()  # the dim itself (-2 and 1 of a 3-D x agree)
-        fields.update(
-            x_without_seq_dim=tuple(n for d, n in enumerate(x.shape) if d != dim),
-            dtype=str(x.dtype), device=x.device.type, seq_dim=dim,
-            needs_grad=torch.is_grad_enabled() and bool(x.requires_grad),
-        )  # fmt: skip
-    except Exception as exc:  # an unreadable x is compared as its error
-        fields["x"] = f"<error: {type(exc).__name__}: {exc}>"
-    return group, fields
+def _seq_dim(args: Any) -> int:
+    """The sequence dim itself (-2 and 1 of a 3-D ``x`` agree)."""
+    return int(args.seq_dim % args.x.dim())
 
 
-@checked_entry("causal_conv_halo", _halo_fields)
+@checked_entry(
+    "causal_conv_halo",
+    compare=("width",),
+    group="mesh",
+    extra={
+        "x_without_seq_dim": lambda args: tuple(
+            n for d, n in enumerate(args.x.shape) if d != _seq_dim(args)
+        ),
+        "dtype": lambda args: str(args.x.dtype),
+        "device": lambda args: args.x.device.type,
+        "seq_dim": _seq_dim,
+        "needs_grad": lambda args: torch.is_grad_enabled() and bool(args.x.requires_grad),
+    },
+)
 def start_causal_conv_halo(
     x: torch.Tensor, width: int, mesh: Any, *, seq_dim: int = 1
 ) -> PendingHalo:
@@ -267,11 +260,11 @@ def start_causal_conv_halo(
     needed, run backward through the halo) in the same order. Errors (``ValueError``) are
     raised before any communication.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): called on its
-    own (not inside a ``parallelize_kda``-ed forward, whose signature covers it), the ranks
-    first compare ``x``'s shape without its sequence dim (block lengths may differ), its dtype
-    and device type, ``width``, ``seq_dim`` and whether gradients will flow; the halo's
-    backward compares nothing (the forward's signature fixes its shapes).
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): called on its own (not
+    inside a ``parallelize_kda``-ed forward, whose signature covers it), the ranks first compare
+    ``x``'s shape without its sequence dim (block lengths may differ), its dtype and device
+    type, ``width``, ``seq_dim`` and whether gradients will flow; the halo's backward compares
+    nothing.
     """
     seq_dim = _check(x, width, seq_dim)
     group, prev, nxt, device_type = _route(mesh)

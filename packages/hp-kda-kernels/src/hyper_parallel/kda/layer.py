@@ -27,7 +27,7 @@ from hyper_parallel.dtensor.amp import autocast_off, without_autocast
 from hyper_parallel.dtensor.cache import WorldCache
 from hyper_parallel.dtensor.consistency import checked_entry
 
-from ._checks import check_chunk_size, check_kernel_dims, check_qkv, read_field
+from ._checks import check_chunk_size, check_kernel_dims, check_qkv, table_values
 from ._renamed import accepts_backend
 from .chunk import compose_chunks, output_terms, run_chunks, summary_terms
 from .cost import CostParams, choose_protocol
@@ -75,84 +75,49 @@ def chosen_protocol(
     return protocol, group_size
 
 
-def call_signature(
-    tensors: dict[str, Any], dims: Any, mesh: Any, options: dict[str, Any]
-) -> dict[str, Any]:
-    """What ranks compare for one KDA recurrence over the 1-D ``mesh`` (consistency mode):
-    everything but the per-rank chunk length ``T_r`` and ``initial_state`` (read on the first
-    rank only). ``tensors``: ``q, k, v, g, beta``; ``dims``: ``(B, H, K, V)``; ``options``
-    (compared as given): ``protocol``, ``group_size``, ``kernel``, ``scale``, ``chunk_size``,
-    ``output_final_state``, ``cost_params``, ``cu_seqlens`` (the table's values). Only reads:
-    a value that cannot be read is compared as its error."""
-    q = tensors["q"]
-    return {
-        "dims_BHKV": dims,
-        "dtypes": read_field(lambda: {name: str(t.dtype) for name, t in tensors.items()}),
-        "device": read_field(lambda: q.device.type),
-        **options,
-        "protocol_chosen": read_field(
-            lambda: chosen_protocol(
-                mesh, options["protocol"], options["group_size"], dims, options["cost_params"]
-            )
-        ),
-        "kernel_chosen": read_field(
-            lambda: choose_kernel(q.device, dims[2], dims[3], options["kernel"])[0]
-        ),
-        "needs_grad": read_field(
-            lambda: torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
-        ),
-        "cp_size": read_field(mesh.size),
-    }
+def _tensors(args: Any) -> dict[str, Any]:
+    return {"q": args.q, "k": args.k, "v": args.v, "g": args.g, "beta": args.beta}
 
 
-def table_values(cu_seqlens: Any) -> Any:
-    """A ``cu_seqlens`` table as compared across ranks: its values (None for none)."""
-    if cu_seqlens is None:
-        return None
-    return read_field(lambda: tuple(int(x) for x in cu_seqlens.reshape(-1).tolist()))
+def _dims(args: Any) -> tuple[int, ...]:
+    """``(B, H, K, V)`` of a :func:`kda_context_parallel` call."""
+    q, v = args.q, args.v
+    return (q.shape[0], q.shape[2], q.shape[3], v.shape[3])
 
 
-def _kda_fields(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    mesh: Any,
-    *,
-    protocol: str = "auto",
-    group_size: int | None = None,
-    scale: float | None = None,
-    initial_state: Any = None,
-    output_final_state: bool = False,
-    chunk_size: int = 64,
-    kernel: str = "auto",
-    cost_params: CostParams | None = None,
-    cu_seqlens: Any = None,
-    packed: PackedBlock | None = None,
-    sequence_context: Any = None,
-) -> tuple[Any, dict[str, Any]] | None:
-    """:func:`kda_context_parallel`'s consistency signature (the nested halo, block placement
-    and exchange compare nothing more)."""
-    if getattr(mesh, "ndim", None) != 1:
-        return None  # rejected on every rank by build_state_exchange, before communicating
-    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
-    dims = read_field(lambda: (q.shape[0], q.shape[2], q.shape[3], v.shape[3]))
-    table = table_values(cu_seqlens)
-    if isinstance(packed, PackedBlock):
-        table = packed.offsets
-    elif sequence_context is not None:
-        table = getattr(sequence_context, "offsets", "<not a SequenceContext>")
-    options = {
-        "protocol": protocol, "group_size": group_size, "kernel": kernel, "scale": scale,
-        "chunk_size": chunk_size, "output_final_state": output_final_state,
-        "cost_params": cost_params, "cu_seqlens": table,
-        # whether this call gathers the block lengths itself (a caller's PackedBlock or
-        # sequence context: no), and whether it compares the context's fingerprint
-        "places_blocks": cu_seqlens is not None and packed is None,
-        "checks_context": bool(getattr(sequence_context, "needs_check", False)),
-    }  # fmt: skip
-    return mesh.get_group(0), call_signature(tensors, dims, mesh, options)
+def _table(args: Any) -> Any:
+    """The documents table of a :func:`kda_context_parallel` call, by value."""
+    if isinstance(args.packed, PackedBlock):
+        return args.packed.offsets
+    if args.sequence_context is not None:
+        return getattr(args.sequence_context, "offsets", "<not a SequenceContext>")
+    return table_values(args.cu_seqlens)
+
+
+# What ranks compare for one KDA recurrence over the 1-D ``mesh`` (consistency mode), beside
+# the options compared by name: everything but the per-rank chunk length ``T_r`` and
+# ``initial_state`` (read on the first rank only); the nested halo, block placement and
+# exchange compare nothing more.
+_KDA_FIELDS: dict[str, Any] = {
+    "dims_BHKV": _dims,
+    "dtypes": lambda args: {name: str(t.dtype) for name, t in _tensors(args).items()},
+    "device": lambda args: args.q.device.type,
+    "cu_seqlens": _table,
+    # whether this call gathers the block lengths itself (a caller's PackedBlock or sequence
+    # context: no), and whether it compares the context's fingerprint
+    "places_blocks": lambda args: args.cu_seqlens is not None and args.packed is None,
+    "checks_context": lambda args: bool(getattr(args.sequence_context, "needs_check", False)),
+    "protocol_chosen": lambda args: chosen_protocol(
+        args.mesh, args.protocol, args.group_size, _dims(args), args.cost_params
+    ),
+    "kernel_chosen": lambda args: choose_kernel(
+        args.q.device, args.q.shape[3], args.v.shape[3], args.kernel
+    )[0],
+    "needs_grad": lambda args: (
+        torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(args).values())
+    ),
+    "cp_size": lambda args: args.mesh.size(),
+}
 
 
 class _Exchange:
@@ -222,7 +187,15 @@ class _Exchange:
 
 
 @accepts_backend("kda_context_parallel")
-@checked_entry("kda_context_parallel", _kda_fields)
+@checked_entry(
+    "kda_context_parallel",
+    compare=(
+        "protocol", "group_size", "kernel", "scale", "chunk_size", "output_final_state",
+        "cost_params",
+    ),
+    group="mesh",
+    extra=_KDA_FIELDS,
+)  # fmt: skip
 @without_autocast  # state and summaries in float32 under autocast too: the core casts itself
 def kda_context_parallel(
     q: torch.Tensor,
@@ -273,16 +246,13 @@ def kda_context_parallel(
     is compared once, with one all-gather); ranks given different tables raise
     ``SequenceMismatchError`` on every rank, also with consistency mode off.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): once per call,
-    before any check or collective, every rank of ``mesh`` compares ``(B, H, K, V)``, the
-    dtypes of ``q, k, v, g, beta``, the device type, ``protocol``, ``group_size``, the protocol
-    ``"auto"`` chose (with its group size), ``kernel`` and the fold kernel chosen, ``scale``,
-    ``chunk_size``, ``output_final_state``, ``cost_params``, the ``cu_seqlens`` table's values,
-    whether gradients will flow (the backward exchange) and the mesh size; the block placement
-    and the state exchange it runs compare nothing more. Not compared: the chunk length
-    ``T_r`` (chunks may differ in length, or be empty) and ``initial_state`` (read on the first
-    rank only). Ranks that disagree all raise ``InconsistentRanksError`` naming the field and
-    the ranks.
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): once per call, before any
+    check or collective, the ranks of ``mesh`` compare ``(B, H, K, V)``, the dtypes of ``q, k,
+    v, g, beta``, the device type, ``protocol``, ``group_size``, the protocol ``"auto"`` chose
+    (with its group size), ``kernel`` and the fold kernel chosen, ``scale``, ``chunk_size``,
+    ``output_final_state``, ``cost_params``, the documents table's values, whether gradients
+    will flow and the mesh size; not the chunk length ``T_r`` (chunks may differ) nor
+    ``initial_state`` (read on the first rank only).
     """
     B, T, *_ = check_inputs(q, k, v, g, beta, initial_state, chunk_size, kernel, mesh)
     packed = place_block(

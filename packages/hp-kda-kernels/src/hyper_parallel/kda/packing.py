@@ -37,7 +37,7 @@ import torch
 from hyper_parallel.dtensor import SequenceContext, gather_sequence_context
 from hyper_parallel.dtensor.consistency import checked_entry
 
-from ._checks import read_field
+from ._checks import table_values
 
 __all__ = ["PackedBlock", "document_conv", "packed_block", "place_block"]
 
@@ -67,24 +67,19 @@ class PackedBlock:
         )  # fmt: skip
 
 
-def _table_fields(cu_seqlens: Any, mesh: Any, *_: Any) -> tuple[Any, dict[str, Any]] | None:
-    """:func:`packed_block`'s consistency signature: the table's values (read, not checked)."""
-    if getattr(mesh, "ndim", None) != 1:
-        return None
-    table = read_field(lambda: tuple(int(x) for x in cu_seqlens.reshape(-1).tolist()))
-    return mesh.get_group(0), {"cu_seqlens": table}
-
-
-@checked_entry("packed_block", _table_fields)
+@checked_entry(
+    "packed_block", group="mesh", extra={"cu_seqlens": lambda args: table_values(args.cu_seqlens)}
+)
 def packed_block(cu_seqlens: Any, mesh: Any, B: int, T: int, device: Any, what: str) -> PackedBlock:
     """Check ``cu_seqlens`` and place this rank's block of ``T`` tokens (``B == 1``) in it.
 
     Collective over the 1-D ``mesh`` (one all-gather of every rank's block length and table
     fingerprint); ``ValueError`` on every rank for a bad table: before the gather for a
     malformed one, after it (identically everywhere) for one that does not end at the total
-    length or differs between ranks (``SequenceMismatchError``). Consistency mode: called on
-    its own, the ranks first compare the table's values (inside ``kda_context_parallel`` or a
-    ``parallelize_kda``-ed forward, that entry point's signature holds them)."""
+    length or differs between ranks (``SequenceMismatchError``). Consistency mode (hp-dtensor's
+    README, "Ranks that disagree"): called on its own, the ranks first compare the table's
+    values (inside ``kda_context_parallel`` or a ``parallelize_kda``-ed forward, that entry
+    point's signature holds them)."""
     ctx = gather_sequence_context(
         mesh, T, cu_seqlens=cu_seqlens, batch=B, device=device, what=f"{what}: cu_seqlens"
     )

@@ -41,13 +41,12 @@ from hyper_parallel.dtensor.rewrite import (
 
 from ._checks import check_kernel_dims
 from ._renamed import accepts_backend
-from ._signatures import LAYER, forward_fields, layer_signature
+from ._signatures import FORWARD_FIELDS, LAYER, PARALLELIZE_FIELDS, forward_mesh
 from .exchange import PROTOCOLS, StateExchange
 from .halo import start_causal_conv_halo
 from .layer import (
     check_inputs,
     executor_for,
-    read_field,
     run_with_executor,
 )
 from .merge import KERNELS
@@ -172,7 +171,9 @@ def _make_forward(cls: type) -> Callable[..., torch.Tensor]:
     """The rewritten forward of a stock KDA class (its signature and doc kept)."""
 
     @functools.wraps(cls.forward)  # type: ignore[attr-defined]  # the stock signature and doc
-    @checked_entry(f"parallelize_kda ({cls.__name__}) forward", forward_fields)
+    @checked_entry(
+        f"parallelize_kda ({cls.__name__}) forward", group=forward_mesh, extra=FORWARD_FIELDS
+    )
     def forward(
         self: Any,
         hidden_states: torch.Tensor,
@@ -226,29 +227,13 @@ def _validate(
     return _ACTIVATIONS[module.activation]
 
 
-def _parallelize_fields(
-    module: Any,
-    cp_mesh: Any,
-    *,
-    protocol: Any = "auto",
-    group_size: Any = None,
-    kernel: Any = "auto",
-) -> tuple[Any, dict[str, Any]] | None:
-    """:func:`parallelize_kda`'s consistency signature (covers the executor it builds)."""
-    if getattr(cp_mesh, "ndim", None) != 1 or not hasattr(cp_mesh, "get_group"):
-        return None  # rejected on every rank by the checks, before communicating
-    return cp_mesh.get_group(0), {
-        "protocol": protocol,
-        "group_size": group_size,
-        "kernel": kernel,
-        "module": type(module).__name__,
-        "layer": read_field(lambda: layer_signature(module)),
-        "cp_size": read_field(cp_mesh.size),
-    }
-
-
 @accepts_backend("parallelize_kda")
-@checked_entry("parallelize_kda", _parallelize_fields)
+@checked_entry(
+    "parallelize_kda",
+    compare=("protocol", "group_size", "kernel"),
+    group="cp_mesh",
+    extra=PARALLELIZE_FIELDS,
+)
 def parallelize_kda(
     module: nn.Module,
     cp_mesh: Any,
@@ -291,17 +276,16 @@ def parallelize_kda(
     fingerprint is compared once, with one all-gather). Ranks given different tables raise
     ``SequenceMismatchError`` on every rank, also with consistency mode off.
 
-    Consistency mode (``HP_CHECK_CONSISTENCY=1`` or ``consistency_checks()``): before the
-    executor is built, the ranks of ``cp_mesh`` compare ``protocol``, ``group_size``,
-    ``kernel``, the layer's class, sizes and parameter dtype. Each forward is compared once,
-    before anything else: ``hidden_states``' batch and feature sizes, dtype and device type
-    (not its block length ``T_r``), the rejected arguments given, the ``cu_seqlens`` table's
-    values (a sequence context's table, block lengths and whether it is unchecked), the halo
-    width ``W − 1``, the protocol and what ``"auto"`` chose, the fold kernel, the layer's sizes
-    and parameter dtypes, the autocast state, training mode, whether autograd records and
-    whether gradients flow; the halo, the block placement and the
-    recurrence it runs compare nothing more (their inputs follow from these), nor does its
-    backward.
+    Consistency mode (hp-dtensor's README, "Ranks that disagree"): before the executor is
+    built, the ranks of ``cp_mesh`` compare ``protocol``, ``group_size``, ``kernel``, the
+    layer's class, sizes and parameter dtype. Each forward is compared once, before anything
+    else: ``hidden_states``' batch and feature sizes, dtype and device type (not its block
+    length ``T_r``), the rejected arguments given, the ``cu_seqlens`` table's values (a
+    sequence context's table, block lengths and whether it is unchecked), the halo width
+    ``W − 1``, the protocol and what ``"auto"`` chose, the fold kernel, the layer's sizes and
+    parameter dtypes, the autocast state, training mode, whether autograd records and whether
+    gradients flow; the halo, the block placement and the recurrence it runs compare nothing
+    more, nor does its backward.
     """
     activation = _validate(module, cp_mesh, protocol, kernel)
     # checks, then builds (or takes this world's executor for these options): once, here
