@@ -5,9 +5,10 @@
 "allreduce"``, consistency mode off), one row of T = 16 tokens, labels given, one forward
 (``model(**shard_batch(batch, mesh))``) and its backward (``out.loss.backward()``; no
 ``sync_gradients``): once with one document per row, once packed (documents ``[0, 3, 4, 8,
-9, 16]`` from ``position_ids``, as in ``tests/test_models_documents.py``).
+9, 16]`` from ``position_ids``, as in ``tests/test_models_documents.py``), and packed
+without labels (no loss: the backward of the sum of this rank's logits).
 
-What is counted, on every rank (the table prints rank 0's and checks the others agree):
+What is counted, on every rank (rank 0's in detail, then every rank's totals):
 
 - **collectives**: every c10d call (``torch.distributed``'s collective and point-to-point
   functions, patched for the run), by function; and every collective a layer starts through
@@ -53,6 +54,7 @@ from hyper_parallel.dtensor.recorder import record_events
 from hyper_parallel.dtensor.testing import run_distributed
 
 SEQ = 16
+CASES = ("plain", "packed", "packed, no labels")
 OFFSETS = [0, 3, 4, 8, 9, 16]
 _READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy",
           "equal", "nonzero", "unique", "masked_select"}  # fmt: skip
@@ -191,18 +193,26 @@ def _count() -> dict[str, Any]:
     world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("world",))
     mesh = unflatten(world, "world", (2, 2), ("cp", "tp"))
     res: dict[str, Any] = {}
-    for packed in (False, True):
+    for case in CASES:
+        packed = case != "plain"
         model = parallelize_model(tiny_model("kimi"), mesh, grad_reduction="allreduce")
         local = shard_batch(_batch(packed), mesh)
-        model(**local).loss.backward()  # warm-up: lazy state, first-call paths
+        if case == "packed, no labels":
+            local = {k: v for k, v in local.items() if k not in ("labels", "shift_labels")}
+        _loss(model(**local)).backward()  # warm-up: lazy state, first-call paths
         model.zero_grad()
         device = [*model.parameters(), *model.buffers(), *local.values()]
         fwd = _phase(functools.partial(model, **local), device)
-        loss = fwd.pop("out").loss
+        loss = _loss(fwd.pop("out"))
         bwd = _phase(loss.backward, [*device, loss])
         bwd.pop("out")
-        res["packed" if packed else "plain"] = {"forward": fwd, "backward": bwd}
+        res[case] = {"forward": fwd, "backward": bwd}
     return res
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """The model's loss, or (no labels) the sum of this rank's logits."""
+    return out.loss if out.loss is not None else out.logits.sum()
 
 
 def _total(d: dict[Any, int], kind: str | None = None) -> int:
@@ -216,7 +226,7 @@ def _per_rank(results: list[dict[str, Any]], case: str, phase: str, what: str, k
 def report(results: list[dict[str, Any]], markdown: bool = False) -> str:
     """Rank 0's counts in detail, then (``markdown``) every rank's totals as a table."""
     lines = []
-    for case in ("plain", "packed"):
+    for case in CASES:
         for phase in ("forward", "backward"):
             r0 = results[0][case][phase]
             lines.append(
@@ -235,7 +245,7 @@ def report(results: list[dict[str, Any]], markdown: bool = False) -> str:
             "| case | phase | c10d calls | D2H reads | H2D copies |",
             "|---|---|---|---|---|",
         ]
-        for case in ("plain", "packed"):
+        for case in CASES:
             for phase in ("forward", "backward"):
                 cells = [
                     _per_rank(results, case, phase, "c10d", None),

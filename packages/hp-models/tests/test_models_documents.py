@@ -131,9 +131,9 @@ def _run(world_size: int) -> dict[str, Any]:
 
 BAD = {
     "two_rows": "need one row",
-    "table_start": "must increase strictly from 0 to the sequence length T=16, got [1, 3, 16]",
-    "table_end": "must increase strictly from 0 to the sequence length T=16",
-    "table_order": "must increase strictly",
+    "table_start": "shard_batch: cu_seq_lens_q must start at 0, got 1 ([1, 3, 16])",
+    "table_end": "cu_seq_lens_q must end at the sequence length T=16, got 15",
+    "table_order": "must be strictly increasing",
     "table_vs_positions": "differ",
     "table_float": "integer tensor",
     "q_vs_k": "cu_seq_lens_q and cu_seq_lens_k differ",

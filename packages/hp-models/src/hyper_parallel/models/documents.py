@@ -14,6 +14,16 @@ MLA layers (``parallelize_mla``: document-causal attention after the exchange); 
 model gets the block's plain causal mask, so Hugging Face does not build its own packed mask
 from the per-document positions (which the context-parallel attention would reject). The
 result equals the serial model run on each document alone: loss, logits and gradients.
+
+The forward hands the layers the table as one hp-dtensor
+:class:`~hyper_parallel.dtensor.SequenceContext` (``sequence_context``), built once per forward
+(:func:`pass_documents`): the table validated by hp-dtensor's ``check_documents`` and read to
+the host once, the block layout the mesh's (``T/P`` tokens a rank), so no layer reads the table
+back or gathers block lengths. Ranks of one sequence given different tables must not compute a
+silently wrong answer (the layers' exchanges do not depend on the table): the table's
+fingerprint rides on the loss-token all-reduce the forward runs anyway
+(:func:`count_tokens`), and every rank raises the same ``SequenceMismatchError``; without
+labels (no such all-reduce), the first layer compares it in one of its own collectives.
 """
 
 from __future__ import annotations
@@ -23,24 +33,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["TABLE_KEYS", "document_positions", "packed_documents", "pass_documents"]
+from hyper_parallel.dtensor import SequenceContext, check_documents, comm, sequence_context
+from hyper_parallel.dtensor.fingerprint import SLOTS_PER_GROUP, check_summed, summed_slots
+
+__all__ = [
+    "TABLE_KEYS",
+    "count_tokens",
+    "document_positions",
+    "packed_documents",
+    "pass_documents",
+]
 
 TABLE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """Hugging Face's flash-attention packing keys, accepted by ``shard_batch``."""
 
 
 def _offsets(table: Any, key: str, seq: int) -> list[int]:
-    if not isinstance(table, Tensor) or table.dim() != 1 or table.numel() < 2:
-        raise ValueError(f"shard_batch: {key} must be a 1-D tensor [0, …, T] of document offsets")
-    if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
-        raise ValueError(f"shard_batch: {key} must be an integer tensor, got {table.dtype}")
-    values = [int(v) for v in table.tolist()]
-    if values[0] != 0 or values[-1] != seq or any(b <= a for a, b in zip(values, values[1:])):
-        raise ValueError(
-            f"shard_batch: {key} must increase strictly from 0 to the sequence length T={seq}, "
-            f"got {values}"
-        )
-    return values
+    return list(check_documents(table, total=seq, what=f"shard_batch: {key}"))
 
 
 def document_positions(offsets: list[int], device: Any = None) -> Tensor:
@@ -89,22 +98,59 @@ def packed_documents(
     return torch.tensor(offsets, dtype=torch.int64, device=batch["input_ids"].device), pos
 
 
-def pass_documents(kwargs: dict[str, Any], family: str) -> dict[str, Any]:
+def pass_documents(kwargs: dict[str, Any], family: str, mesh: Any = None) -> Any:
     """The keyword arguments of a parallelised model's call with the documents handed to every
     layer: given ``cu_seqlens`` (from ``shard_batch``) or HF's ``cu_seq_lens_q`` /
     ``cu_seq_lens_k``, the table goes on as ``cu_seqlens`` (the ``max_length_*`` hints are
     dropped) and, for DeepSeek-V3, the block's plain causal mask ``[1, 1, S, S]`` is passed
-    (see the module docstring). ``kwargs`` is updated in place and returned."""
+    (see the module docstring). ``kwargs`` is updated in place.
+
+    ``mesh`` (the forward's :class:`~hyper_parallel.models.SequenceMesh`): the table goes on
+    as one ``sequence_context`` instead (hp-dtensor's ``SequenceContext`` over the flattened
+    mesh, ``S`` tokens a rank; validated, ``ValueError`` on every rank given the same bad
+    table), which is returned (one without documents when there is no table: not passed on).
+    Without ``mesh``, ``kwargs`` is returned."""
     table = kwargs.pop("cu_seqlens", None)
     for key in TABLE_KEYS:
         value = kwargs.pop(key, None)
         if key.startswith("cu_") and table is None:
             table = value
-    if table is not None:
-        kwargs["cu_seqlens"] = table
-        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        if family == "deepseek-v3" and isinstance(ids, Tensor):
-            s = ids.shape[1]
-            causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-            kwargs["attention_mask"] = causal[None, None]
-    return kwargs
+    ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    if table is not None and family == "deepseek-v3" and isinstance(ids, Tensor):
+        s = ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        kwargs["attention_mask"] = causal[None, None]
+    if mesh is None:
+        if table is not None:
+            kwargs["cu_seqlens"] = table
+        return kwargs
+    b, s = (ids.shape[0], ids.shape[1]) if isinstance(ids, Tensor) else (None, 0)
+    device = ids.device if isinstance(ids, Tensor) else None
+    ctx = sequence_context(mesh.flat_group, s, cu_seqlens=table, batch=b, device=device)
+    if ctx.packed:
+        kwargs["sequence_context"] = ctx
+    return ctx
+
+
+def count_tokens(count: Tensor, ctx: SequenceContext, mesh: Any, owner: str) -> Tensor:
+    """The number of loss tokens of the whole batch (the sum of every rank's ``count``, a 0-d
+    int64 tensor) — the all-reduce (``all_reduce:loss_tokens``) over every rank of the batch
+    that also carries the table fingerprints: for each of the ``dp`` sequence groups the sums
+    of the words of its ranks' fingerprints (hp-dtensor's ``summed_slots``; the same size on
+    every rank, zeros without a table, written on the device from host scalars). A rank
+    holding a table reads the sums (one device-to-host read) and raises
+    ``SequenceMismatchError``, like every rank of the batch holding one, if the ranks of any
+    sequence group were given different tables; the context is then checked (the layers
+    compare nothing more)."""
+    groups = mesh.dp_size
+    group = (mesh.mesh.get_coordinate() or [0])[0] if groups > 1 else 0
+    buf = torch.zeros(1 + groups * SLOTS_PER_GROUP, dtype=torch.int64, device=count.device)
+    buf[:1].copy_(count.reshape(1))
+    for i, value in summed_slots(ctx.fingerprint, group, groups):
+        buf[1 + i] = value  # a fill with a host scalar: nothing copied to the device
+    g = comm.resolve_group(mesh.batch, "the parallelised forward")
+    buf = comm.start_all_reduce(buf, g, "all_reduce:loss_tokens", "forward", owner).wait()
+    if ctx.needs_check:
+        check_summed(buf[1:].tolist(), ctx.size, "the parallelised model forward")
+        ctx.mark_checked()
+    return buf[0]

@@ -21,7 +21,7 @@ from torch import Tensor
 from hyper_parallel.dtensor import checked_entry, comm
 from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.models.batch import IGNORE_INDEX
-from hyper_parallel.models.documents import pass_documents
+from hyper_parallel.models.documents import count_tokens, pass_documents
 from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
 from hyper_parallel.models.plan import LAYER, OWNER, ParallelPlan, plan_of
 
@@ -216,14 +216,13 @@ def parallel_forward(model_class: type) -> Callable[..., Any]:
         mask = _mask(plan.family)
         if mask is not None:
             kwargs["attention_mask"] = mask
-        pass_documents(kwargs, plan.family)  # packed documents to every layer
+        # one sequence context for every layer: the packed documents, validated once
+        ctx = pass_documents(kwargs, plan.family, sm)
         targets = kwargs.get("shift_labels") if has_loss else None
         if targets is not None and kwargs.get("labels") is not None:
             count = (targets != IGNORE_INDEX).sum()  # int64: the loss keeps its dtype
-            if sm.batch.size() > 1:
-                g = comm.resolve_group(sm.batch, "the parallelised forward")
-                work = comm.start_all_reduce(count, g, "all_reduce:loss_tokens", "forward", OWNER)
-                count = work.wait()
+            if sm.batch.size() > 1:  # carrying the table's fingerprint (documents.py)
+                count = count_tokens(count, ctx, sm, OWNER)
             kwargs["num_items_in_batch"] = count
         out = original(self, **kwargs)
         if targets is None or kwargs.get("labels") is None:

@@ -13,8 +13,9 @@ global batch; ``whole`` = ``flatten(mesh)`` (dim ``"dp_cp_tp"``) is every rank o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
-from hyper_parallel.dtensor import DeviceMesh, flatten
+from hyper_parallel.dtensor import DeviceMesh, comm, flatten
 
 __all__ = ["TP_ROLES", "SequenceMesh", "cp_tp", "reduction_scope", "sequence_mesh"]
 
@@ -53,6 +54,12 @@ class SequenceMesh:
     def size(self) -> int:
         """``cp·tp``: the ranks that share one sequence."""
         return self.flat.size()
+
+    @cached_property
+    def flat_group(self) -> comm.Group:
+        """``flat`` resolved once (hp-dtensor's ``comm.Group``, block ``b`` on group rank
+        ``b``): the group of the forward's sequence context."""
+        return comm.resolve_group(self.flat, "the sequence mesh")
 
     @property
     def batch(self) -> DeviceMesh:
