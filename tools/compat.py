@@ -82,8 +82,8 @@ def result_path(version: str) -> Path:
     return RESULTS / f"torch-{version}.json"
 
 
-def selection() -> list[str]:
-    lines = SELECTION.read_text().splitlines()
+def selection(path: Path = SELECTION) -> list[str]:
+    lines = path.read_text().splitlines()
     return [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
 
 
@@ -289,8 +289,11 @@ def run(version: str, keep: bool, python: str, worktree: bool = False) -> int:
         record["versions"] = _versions(venv)
         junit = venv / "compat-junit.xml"
         t1 = time.monotonic()
+        # the selection as the tested commit has it (not the working tree's, which may name
+        # tests that commit does not have)
         proc = subprocess.run(
-            [str(venv / "bin" / "python"), "-m", "pytest", *selection(), f"--junitxml={junit}",
+            [str(venv / "bin" / "python"), "-m", "pytest",
+             *selection(src / SELECTION.relative_to(ROOT)), f"--junitxml={junit}",
              "-o", "junit_family=xunit1", "-p", "no:cacheprovider", "-q"],
             cwd=src, env={**os.environ, **ENV},
         )  # fmt: skip
