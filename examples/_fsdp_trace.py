@@ -1,6 +1,6 @@
 """FSDP2's collectives on the trace's comm lane, from the ranges FSDP2 names them by.
 
-FSDP2 (``grad_reduction="fsdp"``, the default on torch 2.13) starts its collectives itself, not
+FSDP2 (``grad_reduction="fsdp"``, the default) starts its collectives itself, not
 through hp-dtensor's comm runtime, so hp-dtensor's recorder does not see them. It brackets its
 phases with ``torch.profiler.record_function`` ranges instead:
 ``FSDP::all_gather (<module>)`` launches a block's parameter all-gather,

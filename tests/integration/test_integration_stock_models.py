@@ -120,9 +120,9 @@ CASES = [
 def test_stock_model_trains_like_serial(kind, cp, tp, options):
     if options["grad_reduction"] == "fsdp" and not fsdp_available():
         pytest.skip(
-            f"grad_reduction='fsdp' cannot exist on torch {torch.__version__}: its FSDP2 has no "
-            "set_gradient_divide_factor / set_reduce_scatter_unused_params (parallelize_model "
-            "raises ValueError; 'auto' uses the all-reduce)"
+            f"grad_reduction='fsdp' cannot exist on torch {torch.__version__}: its FSDP2 cannot "
+            "be made to sum gradients (hyper_parallel.models.fsdp.fsdp_mode() is None; "
+            "parallelize_model raises ValueError; 'auto' uses the all-reduce)"
         )
     results = run_distributed(
         _train, cp * tp, kind, cp, tp, options, backend=st.backend(), timeout=st.TIMEOUT

@@ -5,7 +5,7 @@ step (forward, backward, gradient reduction) in three precisions, side by side, 
 - ``autocast_bf16``: float32 weights, the forward under ``torch.autocast(dtype=bfloat16)``;
 - ``fsdp_bf16``: float32 weights, FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
   reduce_dtype=float32)`` passed as ``parallelize_model(..., mp_policy=)`` (where FSDP2 can
-  sum gradients: torch 2.13).
+  be made to sum gradients: every torch from 2.7.1).
 
 Reported per case: step time (median, slowest rank) and peak tensor memory per rank, against
 ``fp32``. On CPU, bf16 matmuls are often slower than float32 ones (no bf16 units on many CPUs,

@@ -2,10 +2,11 @@
 layer, dense MLPs) parallelised at (cp, tp) = (2, 2) on 4 ranks, with each decoder layer
 compiled as a user would (``layer.compile(backend="aot_eager")``: dynamo and AOT autograd, no
 C++ compiler), gives the loss and every gradient of the uncompiled parallel model and of the
-serial model (float64; the default gradient reduction: FSDP2 on torch 2.13, else the
-all-reduce), and later steps reuse the graphs. Dynamo's tracing of the stock layers is what
-costs (about two minutes on a loaded 2-core host; the serial model alone takes ~30 s), so one
-spawn checks both and the model is as small as the layers allow.
+serial model (float64; the default gradient reduction: FSDP2 wherever it can be made to
+sum, every torch from 2.7.1, else the all-reduce), and later steps reuse the graphs. Dynamo's
+tracing of the stock layers is what costs (about two minutes on a loaded 2-core host; the
+serial model alone takes ~30 s), so one spawn checks both and the model is as small as the
+layers allow.
 """
 
 from __future__ import annotations

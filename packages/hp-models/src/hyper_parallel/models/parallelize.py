@@ -91,8 +91,9 @@ def _validate(
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
     if grad_reduction == "fsdp" and not fsdp_available():
         raise ValueError(
-            "grad_reduction='fsdp' needs FSDP2 with set_gradient_divide_factor and "
-            "set_reduce_scatter_unused_params (torch 2.13); use 'allreduce' on this torch"
+            "grad_reduction='fsdp' needs an FSDP2 (fully_shard) that hp-models can make sum "
+            "gradients (torch 2.7.1 and later; see hyper_parallel.models.fsdp); use "
+            "'allreduce' on this torch"
         )
     cp, tp = cp_tp(mesh)
     p = cp * tp
@@ -179,7 +180,8 @@ def parallelize_model(
     mesh each block needs (gradients summed during backward, parameters sharded; see
     :mod:`hyper_parallel.models.fsdp`); ``"allreduce"`` keeps parameters whole and sums the
     gradients in :func:`~hyper_parallel.models.sync_gradients` with one bucketed all-reduce per
-    mesh; ``"auto"`` picks ``"fsdp"`` where this torch's FSDP2 supports it (torch 2.13).
+    mesh; ``"auto"`` picks ``"fsdp"`` where this torch's FSDP2 can be made to sum (every
+    torch from 2.7.1: :func:`~hyper_parallel.models.fsdp.fsdp_mode`), else ``"allreduce"``.
     Either way, build the optimizer after this call.
 
     ``ep``: expert parallelism for the MoE blocks (see :mod:`hyper_parallel.models.experts`):
