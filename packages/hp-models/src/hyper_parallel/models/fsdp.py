@@ -74,7 +74,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hyper_parallel.dtensor import comm
 from hyper_parallel.models.mesh import SequenceMesh
+from hyper_parallel.models.plan import OWNER
 
 __all__ = [
     "apply_fsdp",
@@ -243,7 +245,7 @@ def _legacy_sum_hook(rs_mesh: Any, dp_mesh: Any) -> Callable[[Tensor], None]:
     ``post`` after this hook), then (the dense MLPs under dp) sum over ``dp_mesh``."""
     coll = _legacy_internals()
     rs_group = rs_mesh.get_group()
-    dp_group = None if dp_mesh is None or dp_mesh.size() == 1 else dp_mesh.get_group()
+    dp = None if dp_mesh is None or dp_mesh.size() == 1 else comm.resolve_group(dp_mesh, "fsdp")
 
     def hook(reduce_output: Tensor) -> None:
         pre, post = coll._get_gradient_divide_factors(
@@ -255,8 +257,9 @@ def _legacy_sum_hook(rs_mesh: Any, dp_mesh: Any) -> Callable[[Tensor], None]:
                 scale *= f
         if scale != 1.0:
             reduce_output.mul_(scale)
-        if dp_group is not None:
-            dist.all_reduce(reduce_output, op=dist.ReduceOp.SUM, group=dp_group)
+        if dp is not None:  # a sum over the dp replicas, through the one runtime (recorded)
+            name = "all_reduce:fsdp_dp_grads"
+            comm.start_all_reduce(reduce_output, dp, name, "backward", OWNER).wait()
 
     return hook
 
