@@ -80,8 +80,27 @@ HOW = {
     "kda": "KDA state passing + conv halo over cp·tp",
     "mla": "Ulysses MLA over cp·tp",
     "mlp": "MC2 gated MLP, TP+SP over tp",
-    "other": "embedding, head, loss, FSDP2, clipping",
+    "moe": "hp-moe: {local} of {experts} experts a rank, ep={ep}",
+    "other": "embedding, head, loss, FSDP2, clip, balancing",
 }
+# a MoE layer's collectives (hp-moe's names; ``:grad``, their backward, counted with them)
+MOE_COLLECTIVES = {
+    "moe:counts": "routing counts over ep (all-gather)",
+    "moe:dispatch": "tokens to their experts (all-to-all-v)",
+    "moe:combine": "expert outputs back (all-to-all-v)",
+}
+
+
+def moe_collectives(row: dict[str, Any]) -> list[tuple[str, list[int]]]:
+    """A MoE layer's collectives as ``(name, bytes per rank)``, forward and ``:grad`` summed,
+    hp-moe's first (counts, dispatch, combine), then any other."""
+    summed: dict[str, list[int]] = {}
+    for name, per_rank in row.get("collectives", {}).items():
+        base = name.removesuffix(":grad")
+        old = summed.get(base, [0] * len(per_rank))
+        summed[base] = [a + b for a, b in zip(old, per_rank, strict=True)]
+    order = [n for n in MOE_COLLECTIVES if n in summed] + sorted(set(summed) - set(MOE_COLLECTIVES))
+    return [(n, summed[n]) for n in order]
 
 
 def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float) -> None:
@@ -89,24 +108,52 @@ def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float
     print(
         f"\nper layer, one step (cp={mesh['cp']} x tp={mesh['tp']}; bytes each rank moves over "
         "its link (hp-dtensor's comm.link_bytes), counted on the traced step; time: slowest "
-        "rank, mean over steps)"
+        "rank, mean over steps; under each MoE layer, its collectives, forward + :grad)"
     )
-    head = f"{'layer':<12} {'parallelism':<42} {'link/rank (max)':>16} {'total link':>12} " \
+    head = f"{'layer':<14} {'parallelism':<46} {'link/rank (max)':>16} {'total link':>12} " \
            f"{'fwd ms':>8} {'bwd ms':>8}"  # fmt: skip
     print(head)
     print("-" * len(head))
+    ep, experts = record.get("ep", 1), record.get("experts", 0)
     for row in record["layers"]:
         kind = row["layer"].split(":")[-1]
-        par = HOW.get(kind, "")
+        par = HOW.get(kind, "").format(local=experts // max(ep, 1), experts=experts, ep=ep)
+        if kind == "moe" and ep == 1:
+            par = f"MoE, all {experts} experts on every rank (ep=1)"
         recv = row["recv_bytes_per_rank"]
         fwd, bwd = (
             f"{row[k] * 1e3:.1f}" if row[k] is not None else "-" for k in ("fwd_s", "bwd_s")
         )
         print(
-            f"{row['layer']:<12} {par:<42} {fmt_bytes(max(recv)):>16} "
+            f"{row['layer']:<14} {par:<46} {fmt_bytes(max(recv)):>16} "
             f"{fmt_bytes(sum(recv)):>12} {fwd:>8} {bwd:>8}"
         )
+        if kind != "moe":
+            continue
+        for name, per_rank in moe_collectives(row):  # one line per collective, fwd + :grad
+            what = MOE_COLLECTIVES.get(name, "")
+            print(
+                f"{'  ' + name:<14} {what:<46} {fmt_bytes(max(per_rank)):>16} "
+                f"{fmt_bytes(sum(per_rank)):>12} {'':>8} {'':>8}"
+            )
     print(f"median step: parallel {parallel_s * 1e3:.0f} ms, serial {serial_s * 1e3:.0f} ms")
+
+
+def routing_lines(rate: float, bias: dict[str, list[float]], rerouted: list[int],
+                  bias_ok: bool) -> str:  # fmt: skip
+    """Two lines on the MoE routers: the balanced bias, and how often the serial model routed
+    the batch differently from the parallel one."""
+    spread = max(max(v) - min(v) for v in bias.values())
+    same = sum(1 for n in rerouted if n == 0)
+    check = ("equal to the serial model's (the rule on the same loads) after every step"
+             if bias_ok else "NOT equal to the serial model's")  # fmt: skip
+    line = (f"router bias: balance_experts after every step (rate {rate:g}), spread "
+            f"{spread:.1e} over the experts at the end, {check}\nrouting: the serial model "
+            f"picks the parallel model's experts at {same} of {len(rerouted)} steps")  # fmt: skip
+    if same < len(rerouted):
+        line += (f" (elsewhere at most {max(rerouted)} (token, expert) assignments differ: "
+                 "router scores within the two runs' rounding of a tie)")  # fmt: skip
+    return line
 
 
 def plot_curves(path: Path, parallel: list[float], serial: list[float], title: str) -> None:

@@ -4,7 +4,8 @@ One pair of lanes per rank: ``compute`` (tid 0: each layer's forward/backward sp
 recorded inside it, time blocked in a wait) and, right under it, ``comm`` (tid 1: each
 collective recorded by hp-dtensor's ``record_events`` from launch to the end of its
 wait). A collective bar under a compute bar is communication hidden behind compute; a red
-``wait`` span is communication that was not. Every layer's collectives (MLA, KDA, MC2) and
+``wait`` span is communication that was not. Every layer's collectives (MLA, KDA, MC2, the
+MoE layers' ``moe:dispatch`` / ``moe:combine`` all-to-alls, drawn in magenta) and
 hp-models' own (the loss's sums, ``sync_gradients``, clipping) run on hp-dtensor's comm runtime
 and are recorded; FSDP2's all-gathers and reduce-scatters, which are not on it, are timed from
 the ranges FSDP2 names them by (examples/_fsdp_trace.py) onto the same comm lane.
@@ -15,10 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-KIND_COLOURS = {"kda": "#4C72B0", "mla": "#DD8452", "mlp": "#55A868"}
+KIND_COLOURS = {"kda": "#4C72B0", "mla": "#DD8452", "mlp": "#55A868", "moe": "#DA8BC3"}
 INNER = "#8172B3"
 WAIT = "#C44E52"
 COMM = "#937860"
+MOE_COMM = "#A23B8C"  # hp-moe's dispatch and combine on the comm lane
 OTHER = "#8C8C8C"
 
 
@@ -55,14 +57,21 @@ def _colour(name: str) -> tuple[str, float]:
     return INNER, 0.9
 
 
+def _comm_colour(name: str) -> tuple[str, float]:
+    """hp-moe's exchanges (``moe:…``) magenta, every other collective brown."""
+    return (MOE_COMM, 0.9) if name.startswith("moe:") else (COMM, 0.8)
+
+
 def _draw_lane(ax: Any, spans: list[dict[str, Any]], y: float, comm: bool, t_end: float) -> None:
     depths = [0] * len(spans) if comm else nesting_depth(spans)
     for e, d in zip(spans, depths, strict=True):
-        colour, alpha = (COMM, 0.8) if comm else _colour(e["name"])
+        colour, alpha = _comm_colour(e["name"]) if comm else _colour(e["name"])
         height = 0.8 * (0.62**d)
         start, width = e["ts"] / 1e3, max(e["dur"] / 1e3, t_end * 2e-4)
+        on_top = comm and e["name"].startswith("moe:")  # over the FSDP2 spans they overlap
         ax.broken_barh([(start, width)], (y - 0.4, height), facecolors=colour, alpha=alpha,
-                       edgecolor="white" if d == 0 else "none", linewidth=0.3)  # fmt: skip
+                       edgecolor="white" if d == 0 else "none", linewidth=0.3,
+                       zorder=2.5 if on_top else 2)  # fmt: skip
         if d == 0 and not comm and width > t_end * 0.045 and e["name"].startswith("layer "):
             label = e["name"].removeprefix("layer ").replace(" (forward)", "")
             label = label.replace(" (backward)", " bwd")
@@ -94,12 +103,16 @@ def plot_trace(trace: dict[str, Any], path: Path, title: str) -> None:
     ax.set_xlabel("ms since the rank's first recorded event")
     ax.set_title(title, fontsize=9)
     ax.grid(axis="x", alpha=0.3)
+    present = {e["name"].split(":", 1)[-1].split()[0] for r in ranks
+               for e in lanes[r].get(0, []) if e["name"].startswith("layer ")}  # fmt: skip
     legend = [Patch(color=c, label=f"{k} layer (dark: fwd, light: bwd)")
-              for k, c in KIND_COLOURS.items()]  # fmt: skip
+              for k, c in KIND_COLOURS.items() if k in present]  # fmt: skip
     legend += [Patch(color=INNER, label="compute inside a layer"),
                Patch(color=WAIT, label="blocked in a wait"),
                Patch(color=COMM, label="collective in flight, launch to wait "
                      "(every layer's, hp-models', FSDP2's)")]  # fmt: skip
+    if any(e["name"].startswith("moe:") for r in ranks for e in lanes[r].get(1, [])):
+        legend.append(Patch(color=MOE_COMM, label="MoE dispatch / combine in flight (hp-moe)"))
     ax.legend(handles=legend, fontsize=7, loc="upper center", ncol=2,
               bbox_to_anchor=(0.5, -0.16 - 0.05 / max(len(ranks), 1)))  # fmt: skip
     fig.tight_layout()

@@ -6,15 +6,21 @@
     torchrun --standalone --nproc-per-node 2 examples/train.py --mesh 1,2 --model deepseek-v3
     torchrun --standalone --nproc-per-node 4 examples/train.py --steps 80 --resume
     torchrun --standalone --nproc-per-node 4 examples/train.py --packed   # documents per row
+    torchrun --standalone --nproc-per-node 4 examples/train.py --ep 2      # experts over 2 ranks
+    torchrun --standalone --nproc-per-node 4 examples/train.py --experts 0 # dense MLPs only
 
-A tiny random ``KimiLinearForCausalLM`` (KDA and MLA layers, dense MLPs) or
-``DeepseekV3ForCausalLM`` (MLA layers) built in code, parallelised in one call
-(``parallelize_model``), trained with AdamW on a learnable synthetic token stream
-(examples/_data.py; ``--packed``: each row holds documents of random lengths); gradients
-clipped with ``hyper_parallel.models.clip_grad_norm_``, a sharded checkpoint
-(``torch.distributed.checkpoint``) every ``--save-every`` steps and at the end, ``--resume`` from
-the latest one. Rank 0 shows a progress bar and writes ``<out>/losses.json`` and
-``<out>/loss.png``. Swap ``build_model`` and ``_data.batch`` for your model and data.
+A tiny random ``KimiLinearForCausalLM`` (KDA and MLA layers) or ``DeepseekV3ForCausalLM`` (MLA
+layers) built in code, the first ``--dense-layers`` layers with a dense MLP and the others with
+a MoE block (``--experts`` routed experts, ``--top-k`` a token, one shared expert), like the
+stock configs; parallelised in one call (``parallelize_model``: the routed experts split over
+groups of ``--ep`` ranks), trained with AdamW on a learnable synthetic token stream
+(examples/_data.py; ``--packed``: each row holds documents of random lengths), the routers'
+bias balanced after every step (``balance_experts``, DeepSeek-V3's auxiliary-loss-free
+balancing; ``--balance-rate``); gradients clipped with ``hyper_parallel.models.clip_grad_norm_``,
+a sharded checkpoint (``torch.distributed.checkpoint``) every ``--save-every`` steps and at
+the end, ``--resume`` from the latest one. Rank 0 shows a progress bar and writes
+``<out>/losses.json`` and ``<out>/loss.png``. Swap ``build_model`` and ``_data.batch`` for your
+model and data.
 """
 
 from __future__ import annotations
@@ -41,7 +47,13 @@ from tqdm import tqdm
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.devices import BACKENDS, bind_device
-from hyper_parallel.models import clip_grad_norm_, parallelize_model, shard_batch, sync_gradients
+from hyper_parallel.models import (
+    balance_experts,
+    clip_grad_norm_,
+    parallelize_model,
+    shard_batch,
+    sync_gradients,
+)
 from hyper_parallel.models.testing import tiny_model
 
 LAYERS = {"kimi-linear": "kda,mla,kda,mla", "deepseek-v3": "mla,mla,mla,mla"}
@@ -60,7 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seq", type=int, default=128, help="tokens per sequence")
     add("--packed", action="store_true", help="pack documents of random lengths in each row")
     add("--hidden", type=int, default=64)
-    add("--ffn", type=int, default=128)
+    add("--ffn", type=int, default=128, help="dense MLP width")
+    add("--experts", type=int, default=8, help="routed experts per MoE layer (0: dense MLPs)")
+    add("--top-k", type=int, default=2, help="routed experts a token")
+    add("--moe-ffn", type=int, default=32, help="width of each expert (and the shared one)")
+    add("--dense-layers", type=int, default=1, help="leading layers with a dense MLP")
+    add("--ep", type=int, help="ranks splitting the experts (default: every rank)")
+    add("--balance-rate", type=float, default=1e-3, help="router bias step (0: off)")
     add("--heads", type=int, default=4, help="MLA heads (and KDA heads)")
     add("--kda-head-dim", type=int, default=16)
     add("--vocab", type=int, default=64)
@@ -87,19 +105,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--model deepseek-v3 has MLA layers only")
     if args.packed and args.batch != dp:  # shard_batch: one packed row per dp replica
         p.error(f"--packed takes one row per data-parallel replica: --batch {dp}")
+    n, ranks = len(args.mixers), math.prod(args.mesh)
+    if args.experts < 0 or not 0 <= args.dense_layers <= n:
+        p.error(f"--experts takes a count >= 0, --dense-layers one in [0, {n}]")
+    args.mlps = ["moe" if args.experts and i >= args.dense_layers else "dense" for i in range(n)]
+    args.ep = ranks if args.ep is None else args.ep
+    if "moe" in args.mlps:
+        if not 1 <= args.top_k <= args.experts:
+            p.error(f"--top-k takes 1 to --experts ({args.experts})")
+        if args.ep < 1 or ranks % args.ep or args.experts % args.ep:
+            p.error(f"--ep {args.ep} must divide the {ranks} ranks and the {args.experts} "
+                    "experts")  # fmt: skip
+    else:
+        args.ep = 1
+    if not (math.isfinite(args.balance_rate) and args.balance_rate >= 0):
+        p.error("--balance-rate takes a finite number >= 0")
     return args
 
 
+def describe_mlps(args: argparse.Namespace) -> str:
+    """``dense MLPs`` or e.g. ``MLPs dense, moe, moe, moe: 8 experts, top-2, ep=4``."""
+    if "moe" not in args.mlps:
+        return "dense MLPs"
+    return (f"MLPs {', '.join(args.mlps)}: {args.experts} experts, top-{args.top_k}, "
+            f"ep={args.ep}")  # fmt: skip
+
+
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """The stock HF model, seeded (the same weights on every rank), tiny config, dense MLPs."""
+    """The stock HF model, seeded (the same weights on every rank), tiny config: a dense MLP
+    or a MoE block per layer (``args.mlps``)."""
     n, dtype = len(args.mixers), getattr(torch, args.dtype)
     sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                  num_hidden_layers=n, num_attention_heads=args.heads,
-                 num_key_value_heads=args.heads)  # fmt: skip
+                 num_key_value_heads=args.heads, moe_intermediate_size=args.moe_ffn)  # fmt: skip
+    experts = max(args.experts, args.top_k)  # unused where every MLP is dense
     if args.model == "deepseek-v3":
-        return tiny_model("deepseek", args.seed, dtype, **sizes, first_k_dense_replace=n)
+        return tiny_model("deepseek", args.seed, dtype, **sizes, n_routed_experts=experts,
+                          num_experts_per_tok=args.top_k,
+                          first_k_dense_replace=args.mlps.count("dense"))  # fmt: skip
     kinds = {"kda": "linear_attention", "mla": "full_attention"}
-    return tiny_model("kimi", args.seed, dtype, **sizes, mlp_layer_types=["dense"] * n,
+    mlps = {"dense": "dense", "moe": "sparse"}
+    return tiny_model("kimi", args.seed, dtype, **sizes, num_experts=experts,
+                      num_experts_per_token=args.top_k,
+                      mlp_layer_types=[mlps[m] for m in args.mlps],
                       layer_types=[kinds[m] for m in args.mixers], linear_num_heads=args.heads,
                       linear_head_dim=args.kda_head_dim)  # fmt: skip
 
@@ -139,11 +187,12 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
         params = sum(p.numel() for p in model.parameters())
         dims = " x ".join(f"{n}={s}" for n, s in zip(names, args.mesh))
         mixers = ", ".join(args.mixers)
-        print(f"training {type(model).__name__}: {len(args.mixers)} layers ({mixers}; dense "
-              f"MLPs), {params:,} parameters ({args.dtype})\nmesh {dims} on {args.device}; "
+        print(f"training {type(model).__name__}: {len(args.mixers)} layers ({mixers}; "
+              f"{describe_mlps(args)}), {params:,} parameters ({args.dtype})\nmesh {dims} on "
+              f"{args.device}; "
               f"{args.batch} x {args.seq} tokens per step{', packed documents' * args.packed}; "
               f"autocast {args.autocast}; {args.steps} steps", flush=True)  # fmt: skip
-    parallelize_model(model, mesh, grad_reduction=args.grad_reduction)
+    parallelize_model(model, mesh, grad_reduction=args.grad_reduction, ep=args.ep)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after parallelize_model
     start = latest_step(out) if args.resume else 0
     if start:  # the DCP recipe of packages/hp-models/README.md (any mesh shape)
@@ -168,6 +217,8 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
             clip_grad_norm_(model, args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if args.balance_rate and "moe" in args.mlps:  # by the whole batch's routing
+                balance_experts(model, args.balance_rate)
             losses.append(loss.item())  # the loss of the whole batch, the same on every rank
         seconds = time.perf_counter() - t0
         if hooks is not None:

@@ -9,6 +9,8 @@ curves agree; meter, trace and report the parallel run, and keep every process u
     python examples/train_hybrid.py --device npu           # HCCL (torch_npu from the image)
     python examples/train_hybrid.py --mesh 4,1 --steps 60 --autocast bf16
     python examples/train_hybrid.py --model deepseek-v3
+    python examples/train_hybrid.py --ep 2 --experts 4     # experts split over 2 ranks
+    python examples/train_hybrid.py --dtype float32        # train.py's dtype (CPU: float64)
 
 Options of its own are listed below; every other one goes to examples/train.py (its --help
 lists them). The harness starts torchrun on ``prod(--mesh)`` local ranks, each running
@@ -18,10 +20,26 @@ where a non-finite value first appeared. Output (``--out``, default ``out/``): w
 writes (``loss.png``, ``losses.json``, ``ckpt/``), plus ``loss_curves.png`` (parallel vs
 serial), ``trace_step.json`` (Chrome / Perfetto trace of the traced step, one process per rank),
 ``trace_step.png`` (the same step as a timeline per rank) and ``parallel.json`` (losses, step
-times, per-layer communication and time).
+times, per-layer communication and time, and each layer's collectives by name on the traced
+step: a MoE layer's ``moe:dispatch`` / ``moe:combine`` all-to-alls and ``moe:counts``).
+On CPU without ``--autocast`` the weights are float64 unless ``--dtype`` is given (train.py's
+default is float32). The MoE routers pick experts by comparing float32 scores: from float32
+weights the two runs' hidden states differ by rounding, a token whose scores are a near-tie
+goes to different experts, and from then on the two models drift apart (measured on the
+default job: routed differently at 11 of 40 steps, losses 1.4e-3 apart at step 40, tol 2e-3);
+from float64 weights both routers see the same float32 inputs (40 of 40 steps alike, 1.6e-6).
+
+MoE routers: the ranks count every router's (token, expert) assignments at each step; the
+serial model applies ``balance_experts``' rule (``bias += rate · sign(mean(load) − load)``) to
+its routers after every step from those loads of the whole batch, and the run fails unless its
+bias equals the parallel model's at every step. It routes the batch itself: where a token's
+scores are a near-tie in float32, the two models may pick different experts (reported, not a
+failure); taking the parallel loads keeps one such token from moving the biases apart, which
+would change the routing of many tokens from then on.
 
 Exit status 0 when the curves agree within ``--tol``; otherwise non-zero with a one-line
-reason: curves that disagree (a NaN counts as disagreement), a non-finite loss (every rank
+reason: curves that disagree (a NaN counts as disagreement), a router bias unlike the serial
+model's, a non-finite loss (every rank
 stops at that step; the reason names the rank and the layer output where it first appeared,
 found before the loss is summed over the ranks), a failed rank (torchrun stops the others; a
 rank stuck in a collective times out after ``--rank-timeout`` seconds), the ``--job-timeout``,
@@ -38,7 +56,9 @@ import os
 import re
 import sys
 import time
+from collections import defaultdict
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +108,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], argparse
         p.error("--resume: the harness compares whole runs from step 0")
     targv = [*rest, "--out", h.out, "--timeout", str(h.rank_timeout)]
     t = train.parse_args(targv)
+    given = any(a == "--dtype" or a.startswith("--dtype=") for a in rest)
+    if not given and t.device == "cpu" and t.autocast == "off":  # see the module docstring
+        targv += ["--dtype", "float64"]
+        t = train.parse_args(targv)
     if h.trace_step is None:
         h.trace_step = min(2, t.steps - 1)
     if not 0 <= h.trace_step < t.steps:
@@ -116,6 +140,9 @@ class RankHooks:
         self.step_times: list[float] = []
         self.trace: dict[str, Any] = {}
         self.timed: dict[tuple[str, str], float] = {}
+        self.collectives: dict[str, dict[str, int]] = {}  # traced step: layer -> name -> bytes
+        self.loads: list[dict[str, list[int]]] = []  # per step: router -> this rank's counts
+        self.bias: list[dict[str, list[float]]] = []  # per step, after balance_experts
         self.current = -1  # the step running
         self.fsdp = False  # FSDP2 reduces the gradients: its collectives from its named ranges
 
@@ -123,12 +150,14 @@ class RankHooks:
         from hyper_parallel.dtensor.rewrite import parallel_state
 
         self.fsdp = parallel_state(model, "hp-models").grad_reduction == "fsdp"
+        self.router_loads = RouterLoads(model)  # this rank's tokens
         base = model.model
         if self.h.nan_step >= 0 and self.h.nan_rank in (-1, self.rank):  # drill: before watch
             base.embed_tokens.register_forward_hook(self._poison)
         layers: list[tuple[str, Any]] = []
-        for i, (layer, mixer) in enumerate(zip(base.layers, self.t.mixers)):
-            layers += [(f"{i}:{mixer}", layer.self_attn), (f"{i}:mlp", layer.mlp)]
+        for i, (layer, mixer, mlp) in enumerate(zip(base.layers, self.t.mixers, self.t.mlps)):
+            layers += [(f"{i}:{mixer}", layer.self_attn), (f"{i}:{mlp.replace('dense', 'mlp')}",
+                                                           layer.mlp)]  # fmt: skip
         for name, module in [("embedding", base.embed_tokens), *layers, ("lm_head", model.lm_head)]:
             module.register_forward_hook(self._watch(name))
         self.meter = LayerMeter(layers)
@@ -154,6 +183,7 @@ class RankHooks:
             )
             os._exit(3)
         self.flags.clear()
+        self.router_loads.clear()
         profiling = step == self.h.trace_step
         self.meter.time.clear()
         with record_events() if profiling else nullcontext() as rec:
@@ -164,6 +194,7 @@ class RankHooks:
         self.meter.recorder = None
         if profiling:
             self.trace = rec.to_chrome_trace(pid=self.rank)
+            self.collectives = collectives_by_layer(rec.events)
             if fsdp is not None and rec.events:  # FSDP2's collectives on the comm lane too
                 add_spans(self.trace, fsdp.spans(rec.events[0].t_ns, self.rank))
         elif step > 0:
@@ -173,6 +204,8 @@ class RankHooks:
     def on_step_end(self, step: int, loss: float, seconds: float) -> None:
         self.losses.append(loss)
         self.step_times.append(seconds)
+        self.loads.append(self.router_loads.snapshot())
+        self.bias.append(RouterLoads.biases(self.router_loads.routers))
         if math.isfinite(loss):  # the summed loss: the same on every rank, so is this branch
             return
         import torch.distributed as dist
@@ -201,8 +234,38 @@ class RankHooks:
             "losses": self.losses,
             "step_times": self.step_times,
             "layers": self.meter.names,
+            "collectives": self.collectives,
+            "router_loads": self.loads,
+            "router_bias": self.bias,
             "grad_reduction": "fsdp" if self.fsdp else "allreduce",
         }
+
+
+def collective_family(name: str) -> str:
+    """A collective's name without its chunk number: ``moe:dispatch1:grad`` ->
+    ``moe:dispatch:grad`` (hp-moe numbers the chunks it dispatches and combines in)."""
+    head, sep, rest = name.partition(":")
+    kind, _, tail = rest.partition(":")
+    return head + sep + kind.rstrip("0123456789") + (":" + tail if tail else "")
+
+
+def collectives_by_layer(events: list[Any]) -> dict[str, dict[str, int]]:
+    """Bytes this rank moved in each collective started through hp-dtensor's comm (the
+    recorder's launches), by the layer span open at its launch (``other`` outside any) and
+    name (:func:`collective_family`); forward and backward together."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    open_layers: list[str] = []
+    for e in events:
+        if e.kind in ("begin", "end") and e.name.startswith("layer "):
+            layer = e.name.removeprefix("layer ")
+            if e.kind == "begin":
+                open_layers.append(layer)
+            elif layer in open_layers:  # the innermost one of that name
+                del open_layers[len(open_layers) - 1 - open_layers[::-1].index(layer)]
+        elif e.kind == "launch":
+            where = open_layers[-1] if open_layers else "other"
+            out[where][collective_family(e.name)] += e.nbytes
+    return {k: dict(v) for k, v in out.items()}
 
 
 def _fail_file(out: Path, rank: int) -> Path:
@@ -293,48 +356,148 @@ def merge_rank_stats(h: argparse.Namespace, t: argparse.Namespace) -> dict[str, 
         # phases that are not timed (the rest of the step) report None, not zero
         fwd = [s["time"][f"{name}|forward"] for s in per_rank if f"{name}|forward" in s["time"]]
         bwd = [s["time"][f"{name}|backward"] for s in per_rank if f"{name}|backward" in s["time"]]
+        named = sorted({c for s in per_rank for c in s["collectives"].get(name, {})})
+        by_name = {c: [int(s["collectives"].get(name, {}).get(c, 0)) for s in per_rank]
+                   for c in named}  # fmt: skip
         rows.append({"layer": name, "recv_bytes_per_rank": recv,
                      "fwd_s": max(fwd) if fwd else None,
-                     "bwd_s": max(bwd) if bwd else None})  # fmt: skip
+                     "bwd_s": max(bwd) if bwd else None,
+                     "collectives": by_name})  # fmt: skip
     names = ("cp", "tp") if len(t.mesh) == 2 else ("dp", "cp", "tp")
     record = {
         "mesh": dict(zip(names, t.mesh)),
+        "ep": t.ep,
+        "experts": t.experts if "moe" in t.mlps else 0,
         "losses": per_rank[0]["losses"],
         "step_times": per_rank[0]["step_times"],
         "layers": rows,
         "trace_step": h.trace_step,
         "grad_reduction": per_rank[0]["grad_reduction"],
+        # per step: every router's loads of the whole batch (the ranks' counts summed) and
+        # its bias after balance_experts (rank 0's; whether every rank has the same)
+        "router_loads": [
+            {n: [sum(c) for c in zip(*(s["router_loads"][i][n] for s in per_rank))] for n in step}
+            for i, step in enumerate(per_rank[0]["router_loads"])
+        ],
+        "router_bias": per_rank[0]["router_bias"],
+        "router_bias_same_on_every_rank": all(
+            s["router_bias"] == per_rank[0]["router_bias"] for s in per_rank
+        ),
     }
     (out / "parallel.json").write_text(json.dumps(record, indent=1))
     return record
 
 
-def train_serial(t: argparse.Namespace) -> tuple[list[float], list[float]]:
-    """The same model, data and step as train.py, unparallelised, in this process."""
+@dataclass
+class SerialRun:
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    bias: list[dict[str, list[float]]] = field(default_factory=list)  # per step, balanced
+    rerouted: list[int] = field(default_factory=list)  # per step: assignments unlike parallel
+
+
+def train_serial(t: argparse.Namespace, record: dict[str, Any]) -> SerialRun:
+    """The same model, data and step as train.py, unparallelised, in this process; after every
+    step the routers' bias moves by ``balance_experts``' rule from the parallel run's loads of
+    the step (``record["router_loads"]``), and this model's own routing is compared with them."""
     from tqdm import tqdm
 
     bind_device(t.device, 0)
+    if t.device == "cpu":  # one thread, like each rank: on busy shared cores, OpenMP threads
+        torch.set_num_threads(1)  # waiting for each other made serial steps 20-60x slower
     model = train.build_model(t).to(t.device)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
-    losses: list[float] = []
-    times: list[float] = []
+    loads = RouterLoads(model)
+    par_loads = record.get("router_loads", [])
+    run = SerialRun()
     for step in tqdm(range(t.steps), desc="serial (1 process)", file=sys.stdout):
         tokens = _data.tokens(t, step).to(t.device)
         t0 = time.perf_counter()
+        loads.clear()
         with train.autocast(t):
             if t.packed:
-                loss = packed_loss(model, tokens, _data.documents(t, step))
+                docs = _data.documents(t, step)
+                loss = packed_loss(model, tokens, docs)
+                route_single_tokens(model, tokens, docs)  # routed in the packed row too
             else:
                 loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
-        if not math.isfinite(losses[-1]):
+        own = loads.snapshot()
+        theirs = par_loads[step] if step < len(par_loads) else own
+        run.rerouted.append(assignments_apart(own, theirs))
+        if t.balance_rate and "moe" in t.mlps:
+            loads.balance(t.balance_rate, theirs)
+        run.bias.append(RouterLoads.biases(loads.routers))
+        run.losses.append(loss.item())
+        run.times.append(time.perf_counter() - t0)
+        if not math.isfinite(run.losses[-1]):
             break  # the comparison reports it
-    return losses, times
+    return run
+
+
+def assignments_apart(a: dict[str, list[int]], b: dict[str, list[int]]) -> int:
+    """How many (token, expert) assignments two routings of the same tokens differ in."""
+    return sum(abs(x - y) for n in a for x, y in zip(a[n], b.get(n, a[n]), strict=True)) // 2
+
+
+class RouterLoads:
+    """Every MoE router's (token, expert) assignment counts over the forwards since
+    :meth:`clear` (a forward hook on each router with an ``e_score_correction_bias``; in the
+    parallel model, this rank's tokens), and ``balance_experts``' bias step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = {
+            n: m
+            for n, m in model.named_modules()
+            if n.endswith("mlp.gate") and hasattr(m, "e_score_correction_bias")
+        }
+        self.loads: dict[str, torch.Tensor] = {}
+        for name, router in self.routers.items():
+            router.register_forward_hook(self._count(name))
+
+    @staticmethod
+    def biases(routers: dict[str, torch.nn.Module]) -> dict[str, list[float]]:
+        return {n: r.e_score_correction_bias.detach().cpu().tolist() for n, r in routers.items()}
+
+    def _count(self, name: str) -> Any:
+        def hook(router: torch.nn.Module, _a: Any, out: Any) -> None:
+            n = router.e_score_correction_bias.numel()
+            counts = torch.bincount(out[2].detach().reshape(-1).cpu(), minlength=n)
+            self.loads[name] = self.loads.get(name, 0) + counts
+
+        return hook
+
+    def clear(self) -> None:
+        self.loads.clear()
+
+    def snapshot(self) -> dict[str, list[int]]:
+        return {
+            n: [int(v) for v in self.loads.get(n, [0] * r.e_score_correction_bias.numel())]
+            for n, r in self.routers.items()
+        }
+
+    def balance(self, rate: float, loads: dict[str, list[int]]) -> None:
+        """``bias += rate · sign(mean(load) − load)``, the load in float64 (balance_experts')."""
+        for name, router in self.routers.items():
+            load = torch.tensor(loads[name], dtype=torch.float64)
+            bias = router.e_score_correction_bias
+            with torch.no_grad():
+                bias.add_((rate * torch.sign(load.mean() - load)).to(bias.device, bias.dtype))
+
+
+def route_single_tokens(model: torch.nn.Module, tokens: torch.Tensor,
+                        docs: list[list[int]]) -> None:  # fmt: skip
+    """Run the one-token documents that :func:`packed_loss` skips (no target), without
+    gradient: the parallel model routes every token of the packed row, so the routers' loads
+    count them."""
+    with torch.no_grad():
+        for row, offsets in enumerate(docs):
+            for a, b in zip(offsets, offsets[1:]):
+                if b - a == 1:
+                    model(input_ids=tokens[row : row + 1, a:b], use_cache=False)
 
 
 def packed_loss(model: torch.nn.Module, tokens: torch.Tensor, docs: list[list[int]]) -> Any:
@@ -356,18 +519,21 @@ def packed_loss(model: torch.nn.Module, tokens: torch.Tensor, docs: list[list[in
 
 
 def summarize(h: argparse.Namespace, t: argparse.Namespace, record: dict[str, Any],
-              serial: list[float], serial_times: list[float]) -> str:  # fmt: skip
+              run: SerialRun) -> str:  # fmt: skip
     """Print the table, write the plots; return the reason the run failed ('' when OK)."""
     out = Path(h.out)
-    parallel = record["losses"]
+    parallel, serial = record["losses"], run.losses
     rel, reason = _report.compare_curves(parallel, serial, h.tol)
-    par_med, ser_med = _median(record["step_times"]), _median(serial_times)
+    bias_reason = check_router_bias(record, run)
+    reason = reason or bias_reason
+    par_med, ser_med = _median(record["step_times"]), _median(run.times)
     _report.print_layer_table(record, par_med, ser_med)
     slower = _report.slower_reason(t.device, math.prod(t.mesh), par_med, ser_med)
     if slower:
         print(slower)
     mesh = " x ".join(f"{k}={v}" for k, v in record["mesh"].items())
-    what = f"{t.model} {','.join(t.mixers)}, {mesh}"
+    moe = f", {t.experts} experts over ep={t.ep}" if "moe" in t.mlps else ""
+    what = f"{t.model} {','.join(t.mixers)}{moe}, {mesh}"
     png = out / "loss_curves.png"
     _report.plot_curves(png, parallel, serial, f"{what}, max rel diff {rel:.1e} (tol {h.tol:.0e})")
     trace_json, trace_png = out / "trace_step.json", out / "trace_step.png"
@@ -376,10 +542,38 @@ def summarize(h: argparse.Namespace, t: argparse.Namespace, record: dict[str, An
         f"\nloss: first {serial[0]:.4f}, last serial {serial[-1]:.4f} / parallel "
         f"{parallel[-1]:.4f}; max relative difference {rel:.2e} (tol {h.tol:.0e})"
     )
+    if run.bias and run.bias[-1]:
+        print(_report.routing_lines(t.balance_rate, run.bias[-1], run.rerouted,
+                                    not bias_reason))  # fmt: skip
     print(f"loss curves: {png}")
     print(f"trace of step {h.trace_step}: {trace_png} (timeline per rank); "
           f"{trace_json} (open in https://ui.perfetto.dev)")  # fmt: skip
     return reason
+
+
+def check_router_bias(record: dict[str, Any], run: SerialRun) -> str:
+    """'' when every router's bias equals the serial model's after every step (the rule
+    replayed on the same loads), and every rank has the same; otherwise the reason."""
+    if not record.get("router_bias_same_on_every_rank", True):
+        return "router bias differs between the ranks after balance_experts"
+    for step, (par, ser) in enumerate(zip(record.get("router_bias", []), run.bias)):
+        diff = bias_difference(par, ser)
+        if diff > 0:
+            return (
+                f"router bias after step {step} is not balance_experts' rule on the batch's "
+                f"routing (max difference {diff:.1e} from the serial model's)"
+            )
+    return ""
+
+
+def bias_difference(parallel: dict[str, list[float]], serial: dict[str, list[float]]) -> float:
+    """The largest difference between the two models' router biases (``inf``: other routers)."""
+    if parallel.keys() != serial.keys():
+        return math.inf
+    return max(
+        (abs(a - b) for n in serial for a, b in zip(parallel[n], serial[n], strict=True)),
+        default=0.0,
+    )
 
 
 def _median(values: list[float]) -> float:
@@ -403,8 +597,7 @@ def launcher(h: argparse.Namespace, t: argparse.Namespace, argv: list[str]) -> i
             return 1
         t_par = time.perf_counter() - t0
         record = merge_rank_stats(h, t)
-        serial, serial_times = train_serial(t)
-        reason = summarize(h, t, record, serial, serial_times)
+        reason = summarize(h, t, record, train_serial(t, record))
     except _jobctl.Interrupted as exc:
         print(f"train_hybrid: FAILED: interrupted by {exc} after {time.perf_counter() - t0:.0f}s;"
               " torchrun and every rank stopped", flush=True)  # fmt: skip

@@ -1,6 +1,8 @@
 """The main job's failure paths (examples/train_hybrid.py, the harness that runs
-examples/train.py under torchrun), on a tiny model and 2 CPU ranks; also the shortest run,
-``--packed`` against each document alone, and train.py's ``--resume``.
+examples/train.py under torchrun), on a tiny model (a KDA layer with a dense MLP, an MLA layer
+with a MoE block of 8 experts split over both ranks) and 2 CPU ranks; also the shortest run
+(the MoE dispatch and combine in the table and the trace, the balanced router bias equal to the
+serial model's), ``--packed`` against each document alone, and train.py's ``--resume``.
 
 Each test starts the job as a user would (the harness launches torchrun itself), with a tag of
 its own in the environment that every process of the job inherits, and afterwards scans /proc
@@ -27,8 +29,8 @@ SCRIPT = ROOT / "examples" / "train_hybrid.py"
 sys.path.insert(0, str(ROOT / "examples"))
 
 RANKS = 2
-TINY = ["--mesh", "2,1", "--seq", "16", "--hidden", "16", "--ffn", "32", "--layers",
-        "kda,mla", "--heads", "2", "--kda-head-dim", "8", "--vocab", "16",
+TINY = ["--mesh", "2,1", "--seq", "16", "--hidden", "16", "--ffn", "32", "--moe-ffn", "16",
+        "--layers", "kda,mla", "--heads", "2", "--kda-head-dim", "8", "--vocab", "16",
         "--rank-timeout", "30"]  # fmt: skip
 FOREVER = ["--steps", "100000"]  # runs until it is stopped
 START_S = 90  # start-up of torchrun + ranks on a loaded 2-core machine
@@ -195,7 +197,8 @@ def test_main_job_tiny_run_agrees_and_draws_the_trace(job_factory):
     rc = job.finish(timeout=START_S + 60)
     assert rc == 0, job.output()
     assert _last_line(job.output()) == "train_hybrid: OK: parallel and serial loss curves agree"
-    assert "training KimiLinearForCausalLM: 2 layers (kda, mla; dense MLPs)" in job.output()
+    assert ("training KimiLinearForCausalLM: 2 layers (kda, mla; MLPs dense, moe: 8 experts, "
+            "top-2, ep=2)") in job.output()  # fmt: skip
     for name in ("loss_curves.png", "trace_step.json", "trace_step.png", "parallel.json",
                  "loss.png", "losses.json", "ckpt/step-2/.metadata"):  # fmt: skip
         assert (job.out / name).stat().st_size > 0, name
@@ -208,6 +211,33 @@ def test_main_job_tiny_run_agrees_and_draws_the_trace(job_factory):
     assert comm & {"send:halo", "recv:halo", "send:state", "recv:state"}, comm  # KDA's
     assert comm & {"all_gather:x", "reduce_scatter:partial"}, comm  # MC2's
     assert {"all_reduce:loss_tokens", "all_reduce:loss"} <= comm, comm  # hp-models' loss
+    # the MoE layer's (hp-moe): routing counts, dispatch and combine, forward and backward
+    assert "moe:counts" in comm, comm
+    for name in ("moe:dispatch", "moe:combine"):  # numbered by chunk: moe:dispatch0, …
+        assert any(n.startswith(name) and not n.endswith(":grad") for n in comm), (name, comm)
+        assert any(n.startswith(name) and n.endswith(":grad") for n in comm), (name, comm)
+    assert "all_reduce:expert_load" in comm, comm  # balance_experts, after the step
+    # the table: the MoE layer's row, then a line per hp-moe collective with its bytes
+    lines = job.output().splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("1:moe "))
+    assert "hp-moe: 4 of 8 experts a rank, ep=2" in lines[at], lines[at]
+    under = {ln.split()[0]: ln for ln in lines[at + 1 : at + 4]}
+    assert sorted(under) == ["moe:combine", "moe:counts", "moe:dispatch"], lines[at : at + 4]
+    assert all(ln.startswith("  ") and ("KiB" in ln or " B " in ln) for ln in under.values())
+    record = json.loads((job.out / "parallel.json").read_text())
+    rows = {r["layer"]: r for r in record["layers"]}
+    moe = rows["1:moe"]["collectives"]
+    for name in ("moe:dispatch", "moe:dispatch:grad", "moe:combine", "moe:combine:grad"):
+        assert all(n > 0 for n in moe[name]), (name, moe)
+    assert not rows["0:mlp"]["collectives"].keys() & set(moe), rows["0:mlp"]  # MC2's only
+    # the router's loads: every (token, expert) assignment of the whole batch (2 x 16 tokens,
+    # top-2), each step; its bias, balanced after every step, is the serial model's
+    assert [sum(s["model.layers.1.mlp.gate"]) for s in record["router_loads"]] == [64, 64]
+    assert record["router_bias_same_on_every_rank"]
+    assert any(v != 0 for v in record["router_bias"][-1]["model.layers.1.mlp.gate"])
+    assert ("router bias: balance_experts after every step (rate 0.001)" in job.output()
+            and "equal to the serial model's (the rule on the same loads) after every step"
+            in job.output()), job.output()  # fmt: skip
     # FSDP2's (the default gradient reduction on torch 2.13), timed from its named ranges
     reduction = json.loads((job.out / "parallel.json").read_text())["grad_reduction"]
     assert reduction in ("fsdp", "allreduce"), reduction
@@ -233,8 +263,11 @@ def test_main_job_packed_documents_agree_with_each_document_alone(job_factory):
     assert rc == 0, job.output()
     assert _last_line(job.output()) == "train_hybrid: OK: parallel and serial loss curves agree"
     assert "1 x 16 tokens per step, packed documents" in job.output()
+    # every token of the packed row routed alike (one-token documents included)
+    assert "picks the parallel model's experts at 2 of 2 steps" in job.output(), job.output()
     first = json.loads((job.out / "losses.json").read_text())["losses"][0]
-    t = train.parse_args([*TINY[: TINY.index("--rank-timeout")], "--packed"])
+    _, _, t = train_hybrid.parse_args([*TINY, "--packed"])  # the job's train.py options
+    assert t.dtype == "float64"  # the harness's default on CPU
     docs = _data.documents(t, 0)
     assert len(docs) == 1 and len(docs[0]) > 3, docs  # one row, several documents
     model, batch = train.build_model(t), _data.batch(t, 0)
@@ -294,6 +327,48 @@ def test_slower_reason_names_cores_and_gloo():
     assert "gloo" in line
     assert _report.slower_reason("cpu", 4, 1.0, 2.0) == ""
     assert "gloo" not in _report.slower_reason("cuda", 4, 2.0, 1.0)
+
+
+def test_moe_options_default_to_every_rank_and_refuse_an_uneven_split(capsys):
+    import train
+
+    t = train.parse_args(["--mesh", "2,2"])
+    assert (t.mlps, t.experts, t.ep) == (["dense", "moe", "moe", "moe"], 8, 4)
+    assert train.describe_mlps(t) == "MLPs dense, moe, moe, moe: 8 experts, top-2, ep=4"
+    t = train.parse_args(["--mesh", "2,2", "--ep", "2", "--dense-layers", "0"])
+    assert (t.mlps, t.ep) == (["moe"] * 4, 2)
+    t = train.parse_args(["--mesh", "2,2", "--experts", "0"])  # dense MLPs only: no ep
+    assert (t.mlps, t.ep, train.describe_mlps(t)) == (["dense"] * 4, 1, "dense MLPs")
+    for bad in (["--ep", "3"], ["--experts", "6"], ["--top-k", "9"], ["--balance-rate", "-1"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--mesh", "2,2", *bad])
+        assert "error:" in capsys.readouterr().err, bad
+
+
+def test_harness_weights_are_float64_on_cpu_unless_given_or_under_autocast():
+    import train_hybrid
+
+    dtype = lambda *argv: train_hybrid.parse_args(list(argv))[2].dtype  # noqa: E731
+    assert dtype() == "float64"  # MoE routing alike in both runs (see the module docstring)
+    assert dtype("--dtype", "float32") == dtype("--dtype=float32") == "float32"
+    assert dtype("--autocast", "bf16") == dtype("--device", "cuda") == "float32"
+
+
+def test_moe_collectives_are_named_without_their_chunk_and_summed_with_their_grad():
+    import _report
+    import train_hybrid
+
+    family = train_hybrid.collective_family
+    assert family("moe:dispatch1:grad") == "moe:dispatch:grad"
+    assert family("moe:combine0") == "moe:combine"
+    assert family("moe:counts") == "moe:counts" and family("a2a:q") == "a2a:q"
+    row = {"collectives": {"moe:combine:grad": [4, 5], "moe:combine": [1, 2],
+                           "moe:counts": [8, 8], "moe:dispatch": [3, 3]}}  # fmt: skip
+    assert _report.moe_collectives(row) == [
+        ("moe:counts", [8, 8]), ("moe:dispatch", [3, 3]), ("moe:combine", [5, 7])
+    ]  # fmt: skip
+    assert train_hybrid.bias_difference({"a": [0.0, 1e-3]}, {"a": [0.0, -1e-3]}) == 2e-3
+    assert train_hybrid.bias_difference({"a": [0.0]}, {"b": [0.0]}) == math.inf
 
 
 def test_trace_lanes_nest_compute_and_keep_collectives_apart():
