@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models_testutil import full64
+from _models_testutil import cp_tp_mesh, full64
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
@@ -155,3 +155,60 @@ def test_bad_ep_raises_on_every_rank():
     assert r["0"].startswith("ValueError")
     assert r["'2'"].startswith("TypeError")
     assert r["16"].startswith("ValueError")
+
+
+def _policy_and_user_loss():
+    """FSDP2's MixedPrecisionPolicy (float32 master weights, bf16 compute; against the float32
+    serial model to bf16 precision) and a user loss through ``global_mean_loss`` (float64,
+    every gradient), with the experts split over every rank."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from hyper_parallel.models import global_mean_loss
+
+    mesh = cp_tp_mesh(2, 2)
+    batch = random_batch(bsz=BSZ, seq=SEQ, seed=3)
+    out = {}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = parallelize_model(
+        tiny_model("deepseek", dtype=torch.float32, **OVERRIDES["deepseek"]), mesh,
+        grad_reduction="fsdp", mp_policy=policy, ep=4,
+    )  # fmt: skip
+    loss = model(**shard_batch(batch, mesh)).loss
+    loss.backward()
+    out["bf16_loss"] = loss.detach().float()
+    out["bf16_grads_finite"] = all(
+        torch.isfinite(full64(p.grad)).all().item()
+        for p in model.parameters()
+        if p.grad is not None
+    )
+    # a user's own loss from the logits, its mean over the whole batch
+    serial = _model("deepseek")
+    model = parallelize_model(_model("deepseek"), mesh, grad_reduction="allreduce", ep=4)
+    local = shard_batch(batch, mesh)
+    logits = model(**local).logits
+    targets = local["shift_labels"]
+    ce_sum = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).double(), targets.flatten(), ignore_index=-100, reduction="sum"
+    )
+    mean = global_mean_loss(ce_sum, (targets != -100).sum(), mesh)
+    mean.backward()
+    sync_gradients(model)
+    ref = serial(**batch)
+    ref.loss.backward()
+    out["mean"], out["ref"] = mean.detach(), ref.loss.detach()
+    out["grads"] = all(
+        torch.allclose(full64(model.get_parameter(n).grad), q.grad, **TOL)
+        for n, q in serial.named_parameters()
+        if q.grad is not None
+    )
+    with torch.no_grad():
+        out["bf16_ref"] = _model("deepseek").float()(**batch).loss.float()
+    return out
+
+
+def test_mixed_precision_policy_and_global_mean_loss_with_split_experts():
+    for res in run_distributed(_policy_and_user_loss, 4, timeout=TIMEOUT):
+        torch.testing.assert_close(res["bf16_loss"], res["bf16_ref"], rtol=3e-2, atol=3e-2)
+        assert res["bf16_grads_finite"]
+        torch.testing.assert_close(res["mean"].double(), res["ref"].double(), **TOL)
+        assert res["grads"]
