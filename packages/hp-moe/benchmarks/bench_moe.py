@@ -1,6 +1,11 @@
 """One stock Hugging Face MoE experts module (``DeepseekV3Experts``: E = 16 experts, top-4,
-float32), forward + backward, on 4 ranks, every case of a part in one run, interleaved, median
-of the repetitions:
+float32; 1024 tokens per rank, hidden 256, expert intermediate 512; ``--quick``: 512 tokens,
+intermediate 256), forward + backward, on 4 ranks, every case of a part in one run,
+interleaved, median of the repetitions. The intermediate size is above the hidden size on
+purpose: the bytes exchanged grow with H and the expert work with H·I, and on a CPU gloo's real
+copies of those bytes run on the same cores as the GEMMs, so a larger I keeps them a smaller
+part of the step (under the modeled link below they still slow ours' overlapped step, not the
+blocking twin's, whose waits cover them):
 
 1. **ep = 4 vs the experts whole on every rank** (``ep = 1``: the stock module, all E experts
    on every rank, each rank on its own tokens; what a user without expert parallelism runs):
@@ -37,7 +42,13 @@ of the repetitions:
    ``hidden_fraction = (T_blocking − T_overlap) / T_link``, ``T_link`` the blocking twin's
    modeled link seconds per step; ``ceiling = 1 − 1/C``, the schedule's own (the first
    dispatch and the last combine of a step's forward and backward have nothing to run under);
-   for ``auto`` the C it picked and its reason (``experts_info``).
+   for ``auto`` the C it picked and its reason (``experts_info``). Beside it:
+   ``hidden_fraction_paired`` (the same from each repetition's pair, median),
+   ``schedule_hidden_share`` (``1 − slept / T_link`` of ours: the share of ours' own link its
+   waits did not sleep for), ``bound_any_schedule`` (``1 − max(0, 1/2 − forward share)``: half
+   the bytes move in the forward, under the forward's share of the compute) and
+   ``link_over_compute`` (the calibration's check, 1 when the link took as long as the
+   blocking compute in the run itself).
 
     python packages/hp-moe/benchmarks/bench_moe.py --out bench-results/hp-moe.json [--quick]
         [--no-link | --link-only]
@@ -305,9 +316,9 @@ class _Linked:
         self.slept.append(stats.slept_s)
 
 
-def _slowest(samples: list[float]) -> list[float]:
+def _slowest(samples: list[float], device: torch.device) -> list[float]:
     """Each repetition's value on the slowest rank."""
-    t = torch.tensor(samples, dtype=torch.float64)
+    t = torch.tensor(samples, dtype=torch.float64, device=None if device.type == "cpu" else device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -348,7 +359,7 @@ def _link(b: _Bench) -> list[dict[str, Any]]:
     warm = 1  # the warmup step's link figures are left out, as its time is
     t_link = {n: max_over_ranks(statistics.median(c.modeled[warm:])) for n, c in linked.items()}
     added = {n: max_over_ranks(statistics.median(c.slept[warm:])) for n, c in linked.items()}
-    wall = {n: _slowest(c.wall[warm:]) for n, c in linked.items()}
+    wall = {n: _slowest(c.wall[warm:], device) for n, c in linked.items()}
     if dist.get_rank() == 0:
         print(
             f"link: blocking 1-chunk step {t_plain * 1e3:.1f} ms without the link, compute "
