@@ -12,6 +12,16 @@ returns the per-rank results as a list indexed by rank.
 - Each rank is limited to ``threads`` intra-op threads (1 by default) so N ranks do not
   oversubscribe a small machine.
 
+- Inside a :func:`rank_pool` scope the ranks outlive the call: the next call with the same
+  ``world_size``, ``backend`` and ``threads`` runs on the same processes (each call still in a
+  process group of its own, initialised for it and destroyed after it, so no group, mesh or
+  world-scoped cache outlives a call), and start-up, imports and torch's first-use
+  initialisation are paid once per scope, not once per call (the pytest plugin
+  :mod:`hyper_parallel.dtensor.pytest_plugin` opens one per test module; ``HP_TEST_POOL=0``
+  turns it off). A call in which any rank failed or that timed out ends its pool: the next
+  call starts fresh ranks. Between calls each rank restores its environment variables,
+  default dtype, grad mode and thread count.
+
 ``fn`` must be importable by name (a module-level function); arguments and results must be
 picklable. Inside ``fn`` use ``torch.distributed`` as usual: ``get_rank()``,
 ``get_world_size()``, collectives on the default group.
@@ -31,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -42,7 +53,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +66,8 @@ __all__ = [
     "compare_under_link",
     "caught_inconsistency",
     "free_port",
+    "close_pools",
+    "rank_pool",
     "run_distributed",
     "run_markdown_example",
     "strip_gloo_connected",
@@ -100,17 +114,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(
-    rank: int,
-    world_size: int,
-    port: int,
-    backend: str,
-    threads: int,
-    timeout: float,
-    sys_path: list[str],
-    payload: bytes,
-    queue: Any,
-) -> None:
+def _rank_setup(rank: int, world_size: int, port: int, threads: int, sys_path: list[str]) -> None:
     # The test module that defines ``fn`` may live on a path pytest added after the
     # process pool started, so extend the path before unpickling.
     for entry in reversed(sys_path):
@@ -124,12 +128,27 @@ def _rank_main(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    import torch
+
+    torch.set_num_threads(threads)
+    _line_buffered_c_stdout()
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    threads: int,
+    timeout: float,
+    sys_path: list[str],
+    payload: bytes,
+    queue: Any,
+) -> None:
     try:
-        import torch
+        _rank_setup(rank, world_size, port, threads, sys_path)
         import torch.distributed as dist
 
-        torch.set_num_threads(threads)
-        _line_buffered_c_stdout()
         fn, args, kwargs = pickle.loads(payload)
         dist.init_process_group(
             backend,
@@ -139,13 +158,65 @@ def _rank_main(
         )
         result = fn(*args, **kwargs)
         _flush_c_stdout()  # what C++ printed reaches the caller before the result does
-        queue.put((rank, "ok", pickle.dumps(result)))
+        queue.put((rank, 0, "ok", pickle.dumps(result)))
         # Rank 0 hosts the rendezvous store: nobody leaves (taking the store or a peer
         # connection with it) while a slower rank may still be creating groups.
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:
-        queue.put((rank, type(exc).__name__, traceback.format_exc()))
+        queue.put((rank, 0, type(exc).__name__, traceback.format_exc()))
+
+
+def _pool_rank_main(
+    rank: int,
+    world_size: int,
+    backend: str,
+    threads: int,
+    sys_path: list[str],
+    inbox: Any,
+    queue: Any,
+) -> None:
+    """A pooled rank: set up once, then run each ``(call, port, timeout, payload)`` from
+    ``inbox`` in a process group of its own (initialised for the call and destroyed after it,
+    as a rank of its own would), until ``None`` arrives. A call that raised ends the rank: its
+    peers may be inside a collective, and the caller discards the pool."""
+    try:
+        _rank_setup(rank, world_size, 0, threads, sys_path)
+        import torch
+        import torch.distributed as dist
+    except BaseException as exc:
+        queue.put((rank, None, type(exc).__name__, traceback.format_exc()))
+        return
+    while True:
+        message = inbox.get()
+        if message is None:
+            return
+        call, port, timeout, payload = message
+        environ, dtype, grad = dict(os.environ), torch.get_default_dtype(), torch.is_grad_enabled()
+        try:
+            os.environ["MASTER_PORT"] = str(port)
+            fn, args, kwargs = pickle.loads(payload)
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=max(timeout, 1.0)),
+            )
+            result = fn(*args, **kwargs)
+            _flush_c_stdout()
+            queue.put((rank, call, "ok", pickle.dumps(result)))
+            dist.barrier()  # as in _rank_main: nobody leaves while a peer still needs the store
+            dist.destroy_process_group()
+        except BaseException as exc:
+            queue.put((rank, call, type(exc).__name__, traceback.format_exc()))
+            return
+        finally:
+            # what one call changed of the process must not reach the next call
+            os.environ.clear()
+            os.environ.update(environ)
+            torch.set_default_dtype(dtype)
+            torch.set_grad_enabled(grad)
+            torch.set_num_threads(threads)
 
 
 def _libc() -> Any:
@@ -258,10 +329,15 @@ def _context() -> Any:
         return mp.get_context("fork")
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", f"{__package__}._preload"])
+        ctx.set_forkserver_preload([*_EAGER_IMPORTS, f"{__package__}._preload"])
         return ctx
     return mp.get_context("spawn")
 
+
+# What every rank would otherwise import for itself, seconds of CPU each: torch, and torch's
+# compiler front end (torch._dynamo), which torch imports lazily on the first DTensor op (its
+# dispatch goes through a ``torch._dynamo.disable`` wrapper): ~3 s per rank on a CPU core.
+_EAGER_IMPORTS = ("torch", "torch.distributed", "torch._dynamo")
 
 _preload_spec: list[str] = []  # the JSON for the fork server, computed at the first start
 
@@ -271,7 +347,12 @@ def _start(procs: list[Any]) -> None:
     path and modules from :data:`PRELOAD_ENV`, set only meanwhile (nothing else inherits it)."""
     import json
 
-    if os.environ.get(FORK_ENV) == "1":  # forked from the caller: nothing to preload
+    if os.environ.get(FORK_ENV) == "1":  # forked from the caller: it imports for every rank
+        for name in _EAGER_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # the rank imports it if it needs it, and reports what fails
+                pass
         for p in procs:
             p.start()
         return
@@ -311,6 +392,8 @@ def run_distributed(
     payload = pickle.dumps((fn, args, kwargs))
     for attempt in range(3):
         try:
+            if _pool_scopes and os.environ.get(POOL_ENV, "1") != "0":
+                return _run_pooled(payload, world_size, backend, timeout, threads)
             return _run_once(payload, world_size, backend, timeout, threads)
         except RankFailure as failure:
             # Another process may grab the free port between our probe and rank 0's bind.
@@ -336,46 +419,148 @@ def _run_once(
         for r in range(world_size)
     ]
     _start(procs)
+    try:
+        return _collect(procs, queue, 0, timeout)
+    finally:
+        _end(procs, queue)
 
+
+def _collect(procs: list[Any], queue: Any, call: int, timeout: float) -> list[Any]:
+    """Every rank's report of ``call`` from ``queue``, by rank; :class:`RankFailure` or
+    :class:`DistributedTimeout` otherwise. A report of no call (``None``) is a rank that failed
+    before it could run one."""
+    world_size = len(procs)
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     exc_types: dict[int, str] = {}
     deadline = time.monotonic() + timeout
-    try:
-        while len(results) + len(failures) < world_size:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            try:
-                rank, status, body = queue.get(timeout=min(0.2, deadline - now))
-            except queue_mod.Empty:
-                for r, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and r not in results and r not in failures:
-                        failures[r] = f"process exited with code {p.exitcode} without a report"
-                        exc_types[r] = "ProcessDied"
-                        deadline = min(deadline, time.monotonic() + _GRACE)
-                continue
-            if status == "ok":
-                results[rank] = pickle.loads(body)
-            else:
-                failures[rank] = body
-                exc_types[rank] = status
-                # Peers of a failed rank usually block in a collective: give them a short
-                # grace period to report their own errors, then stop waiting.
-                deadline = min(deadline, time.monotonic() + _GRACE)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
-        queue.close()
-
+    while len(results) + len(failures) < world_size:
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        try:
+            rank, of, status, body = queue.get(timeout=min(0.2, deadline - now))
+        except queue_mod.Empty:
+            for r, p in enumerate(procs):
+                if p.exitcode not in (None, 0) and r not in results and r not in failures:
+                    failures[r] = f"process exited with code {p.exitcode} without a report"
+                    exc_types[r] = "ProcessDied"
+                    deadline = min(deadline, time.monotonic() + _GRACE)
+            continue
+        if of not in (call, None):  # pragma: no cover - a discarded pool's late report
+            continue
+        if status == "ok":
+            results[rank] = pickle.loads(body)
+        else:
+            failures[rank] = body
+            exc_types[rank] = status
+            # Peers of a failed rank usually block in a collective: give them a short
+            # grace period to report their own errors, then stop waiting.
+            deadline = min(deadline, time.monotonic() + _GRACE)
     if failures:
         raise RankFailure(failures, exc_types)
     if len(results) < world_size:
         raise DistributedTimeout(timeout, [r for r in range(world_size) if r not in results])
     return [results[r] for r in range(world_size)]
+
+
+def _end(procs: list[Any], queue: Any, wait: float = 0.0) -> None:
+    """Stop ranks: those still alive after ``wait`` seconds are killed."""
+    deadline = time.monotonic() + wait
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+    queue.close()
+
+
+# ---- rank pools: ranks kept alive across calls inside a rank_pool() scope ----------------
+POOL_ENV = "HP_TEST_POOL"
+"""``0`` turns rank pools off: every call starts its own ranks, as outside a scope."""
+
+_pool_scopes: list[int] = []  # one entry per open rank_pool() scope
+
+
+class _Pool:
+    """``world_size`` ranks waiting for calls (each call in a process group of its own)."""
+
+    def __init__(self, world_size: int, backend: str, threads: int) -> None:
+        ctx = _context()
+        self.queue = ctx.Queue()
+        self.inboxes = [ctx.SimpleQueue() for _ in range(world_size)]
+        self.calls = 0
+        self.procs = [
+            ctx.Process(
+                target=_pool_rank_main,
+                args=(r, world_size, backend, threads, list(sys.path), inbox, self.queue),
+                daemon=True,
+                name=f"hp-pool-rank-{r}",
+            )
+            for r, inbox in enumerate(self.inboxes)
+        ]
+        _start(self.procs)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, payload: bytes, timeout: float) -> list[Any]:
+        self.calls += 1
+        port = free_port()
+        for inbox in self.inboxes:
+            inbox.put((self.calls, port, timeout, payload))
+        return _collect(self.procs, self.queue, self.calls, timeout)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill and self.alive():
+            for inbox in self.inboxes:
+                inbox.put(None)
+        _end(self.procs, self.queue, wait=0.0 if kill else 10.0)
+
+
+_pools: dict[tuple[int, str, int], _Pool] = {}
+
+
+def _run_pooled(
+    payload: bytes, world_size: int, backend: str, timeout: float, threads: int
+) -> list[Any]:
+    key = (world_size, backend, threads)
+    pool = _pools.pop(key, None)
+    if pool is not None and not pool.alive():
+        pool.close(kill=True)
+        pool = None
+    if pool is None:
+        pool = _Pool(world_size, backend, threads)
+    try:
+        results = pool.run(payload, timeout)
+    except BaseException:
+        pool.close(kill=True)  # a rank failed or hangs: its peers may be inside a collective
+        raise
+    _pools[key] = pool
+    return results
+
+
+def close_pools() -> None:
+    """End every pooled rank."""
+    while _pools:
+        _, pool = _pools.popitem()
+        pool.close()
+
+
+@contextmanager
+def rank_pool() -> Iterator[None]:
+    """Within this scope :func:`run_distributed` keeps each call's ranks alive for the next call
+    with the same ``world_size``, ``backend`` and ``threads`` (see the module docstring); they
+    end when the outermost scope closes."""
+    _pool_scopes.append(1)
+    try:
+        yield
+    finally:
+        _pool_scopes.pop()
+        if not _pool_scopes:
+            close_pools()
 
 
 # torch 2.10's gloo prints "[Gloo] Rank R is connected to K peer ranks. Expected number of
