@@ -29,7 +29,6 @@ ranks and the device's own backend (NCCL on CUDA, HCCL on NPU). Rank 0 writes th
 from __future__ import annotations
 
 import copy
-import statistics
 from typing import Any
 
 import torch
@@ -46,9 +45,8 @@ from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
     bench_arguments,
     bench_record,
-    calibrate_link,
     interleaved_timing,
-    max_over_ranks,
+    measure_under_link,
     peak_memory_bytes,
     run_ranks,
     simulated_link,
@@ -211,56 +209,27 @@ def _measure_link(
         for suffix, groups in _link_groups(cfg, dist.get_world_size()):
             group_of[f"{strategy}_overlap_{suffix}"] = int(groups)
         pair = {base: cases[base], **{name: cases[name] for name in group_of}}
-        reps = cfg["link_repeats"]
-        for _ in range(2):  # a block's first steps run slow (first touch); keep them out of it
-            cases[base]()
-        bandwidth, t_plain, t_compute, nbytes = calibrate_link(cases[base], reps)
-        with simulated_link(latency, bandwidth):
-            times = interleaved_timing(pair, repeats=reps, warmup=1, device=device)
-        t_link, launches, added = {}, {}, {}
-        for name, fn in pair.items():
-            slept = []
-            for _ in range(3):  # what the link adds to a step: the time its waits slept
-                with simulated_link(latency, bandwidth) as stats, record_events() as rec:
-                    fn()
-                slept.append(max_over_ranks(stats.slept_s))
-            t_link[name] = max_over_ranks(stats.modeled_s)
-            added[name] = statistics.median(slept)
+        m = measure_under_link(
+            pair, base, latency_s=latency, repeats=cfg["link_repeats"], device=device
+        )
+        launches = {}
+        for name, fn in pair.items():  # collectives each forward launches, under the link
+            with simulated_link(latency, m.bytes_per_s), record_events() as rec:
+                fn()
             launches[name] = sum(
                 1 for e in rec.events if e.kind == "launch" and e.phase == "forward"
             )
         if dist.get_rank() == 0:
-            print(
-                f"link {strategy}: blocking step {t_plain * 1e3:.1f} ms without the link, "
-                f"compute {t_compute * 1e3:.1f} ms, {nbytes / 2**20:.2f} MiB/step -> "
-                f"bandwidth {bandwidth / 1e6:.1f} MB/s, latency {latency * 1e6:.0f} us"
-            )
+            print(f"link {strategy}: blocking {m.calibration_line()}")
         for ours, groups in group_of.items():
             records.append(
-                bench_record(
+                m.record(
                     f"{BLOCKS[block]}/link/{ours}_vs_blocking",
-                    times[ours],
-                    times[base],
+                    ours,
                     device=device.type,
-                    ours=ours,
-                    baseline=base,
-                    simulated=True,
                     head_groups=groups,
                     collectives_per_forward=launches[ours],
                     collectives_per_forward_baseline=launches[base],
-                    link_latency_s=latency,
-                    link_bytes_per_s=bandwidth,
-                    t_link_s=t_link[base],
-                    t_link_ours_s=t_link[ours],
-                    link_added_ours_s=added[ours],
-                    link_added_baseline_s=added[base],
-                    t_step_blocking_s=t_plain,
-                    t_compute_blocking_s=t_compute,
-                    link_bytes_per_step=nbytes,
-                    hidden_fraction=(times[base] - times[ours]) / t_link[base],
-                    # the calibration's check: 1 when the link took as long as the blocking
-                    # compute in this run too (blocking step under the link = compute + T_link)
-                    link_over_compute=t_link[base] / (times[base] - t_link[base]),
                     repeats=cfg["link_repeats"],
                     tokens=cfg["link_tokens"],
                     hidden=cfg["hidden"],

@@ -139,3 +139,98 @@ def _bad_link() -> str:
 
 def test_simulated_link_rejects_a_bandwidth_of_zero():
     assert "bytes_per_s > 0" in _bad_link()
+
+
+COMPUTE_S = 0.1  # the "compute" of the measured steps below: a sleep, steady on a busy host
+
+
+def _blocking_step(buf: torch.Tensor) -> None:
+    time.sleep(COMPUTE_S)
+    dist.all_reduce(buf)
+
+
+def _overlapped_step(buf: torch.Tensor) -> None:
+    work = dist.all_reduce(buf, async_op=True)
+    time.sleep(COMPUTE_S)
+    work.wait()
+
+
+def _measured_link() -> dict[str, object]:
+    """``measure_under_link`` on a blocking step (compute, then a blocking all-reduce), its
+    twin and the overlapped step (the all-reduce launched before the compute, waited after),
+    the bandwidth calibrated on the blocking one."""
+    from hyper_parallel.dtensor.benchmarking import bytes_per_call, measure_under_link
+
+    buf = torch.ones(64 * 1024)
+    cases = {
+        "blocking": lambda: _blocking_step(buf),
+        "overlapped": lambda: _overlapped_step(buf),
+        "blocking_twin": lambda: _blocking_step(buf),
+    }
+    m = measure_under_link(cases, "blocking", latency_s=1e-3, repeats=3, runs=2)
+    fixed = measure_under_link(
+        {"overlapped": cases["overlapped"]}, latency_s=1e-3, bandwidth=1e9, repeats=1, runs=0
+    )
+    return {
+        "bytes": bytes_per_call(cases["blocking"]),
+        "m": m,
+        "ours": m.fields("overlapped"),
+        "twin": m.fields("blocking_twin"),
+        "self": m.fields("blocking"),
+        "record": m.record("x/overlapped_vs_blocking", "overlapped", repeats=3),
+        "line": m.calibration_line(),
+        "fixed": fixed,
+    }
+
+
+@pytest.mark.timeout(240)
+def test_measure_under_link_calibrates_and_compares_against_the_baseline():
+    results = run_distributed(_measured_link, 2, timeout=200)
+    r = results[0]
+    m, ours, twin, own = r["m"], r["ours"], r["twin"], r["self"]
+    # an all-reduce moves 2(P-1)/P of its buffer: at P = 2 the whole float32 buffer
+    assert r["bytes"] == 64 * 1024 * 4
+    assert m.calibrated and m.bytes_per_step == r["bytes"]
+    assert m.bytes_per_s == pytest.approx(m.bytes_per_step / m.t_compute_s)
+    assert m.t_step_s > 0 and m.t_compute_s > 0
+    assert set(m.cases) == {"blocking", "overlapped", "blocking_twin"}
+    for case in m.cases.values():
+        assert len(case.times_s) == 3 and case.t_link_s > 0 and case.added_s >= 0
+    expected = {
+        "simulated", "link_latency_s", "link_bytes_per_s", "t_link_s", "t_link_ours_s",
+        "link_added_ours_s", "link_added_baseline_s", "t_step_blocking_s",
+        "t_compute_blocking_s", "link_bytes_per_step", "hidden_fraction",
+        "hidden_fraction_paired", "link_over_compute",
+    }  # fmt: skip
+    assert set(ours) == set(twin) == set(own) == expected
+    # every case moves the same bytes: the same modeled link time, latency + bytes / bandwidth
+    link_s = 1e-3 + m.bytes_per_step / m.bytes_per_s
+    assert ours["t_link_s"] == ours["t_link_ours_s"] == pytest.approx(link_s)
+    assert twin["t_link_ours_s"] == pytest.approx(link_s)
+    # the baseline against itself hides nothing, by definition
+    assert own["hidden_fraction"] == 0.0 and own["hidden_fraction_paired"] == 0.0
+    # the overlapped step hides what its blocking twin pays
+    assert ours["hidden_fraction"] > twin["hidden_fraction"]
+    assert ours["hidden_fraction_paired"] > twin["hidden_fraction_paired"]
+    assert ours["link_added_ours_s"] < ours["link_added_baseline_s"]
+    record = r["record"]
+    assert record["ours"] == "overlapped" and record["baseline"] == "blocking"
+    assert record["ours_s"] == m.cases["overlapped"].time_s
+    assert record["baseline_s"] == m.cases["blocking"].time_s
+    assert record["repeats"] == 3 and expected <= set(record)
+    assert "MiB/step -> bandwidth" in r["line"]
+    # a fixed bandwidth: no calibration, no calibration fields
+    fixed = r["fixed"]
+    assert not fixed.calibrated and fixed.bytes_per_s == 1e9 and fixed.t_step_s is None
+    assert fixed.cases["overlapped"].t_link_s == pytest.approx(1e-3 + r["bytes"] / 1e9)
+    # both ranks saw the same (slowest-rank) figures
+    assert results[1]["m"] == m
+
+
+def test_measure_under_link_needs_a_baseline_to_calibrate_on():
+    from hyper_parallel.dtensor.benchmarking import measure_under_link
+
+    with pytest.raises(ValueError, match="baseline"):
+        measure_under_link({"a": lambda: None}, latency_s=0.0, repeats=1)
+    with pytest.raises(ValueError, match="not one of the cases"):
+        measure_under_link({"a": lambda: None}, "b", latency_s=0.0, repeats=1)

@@ -53,6 +53,7 @@ from hyper_parallel.dtensor.benchmarking import (
     bench_record,
     interleaved_timing,
     launched_by_torchrun,
+    measure_under_link,
     peak_memory_bytes,
     run_ranks,
     simulated_link,
@@ -255,15 +256,17 @@ def bench_exchange_link(cfg: dict[str, Any], device: torch.device) -> list[dict[
         return step
 
     cases = {n: run(ex) for n, ex in executors.items()}
-    with simulated_link(latency, bandwidth):
-        times = interleaved_timing(cases, repeats=cfg["repeats"] * 3, warmup=2, device=device)
-    t_link: dict[str, float] = {}
-    for name, fn in cases.items():
-        with simulated_link(latency, bandwidth) as stats:
-            fn()
-        t = torch.tensor([stats.modeled_s, stats.collectives], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        t_link[name] = float(t[0])
+    m = measure_under_link(
+        cases,
+        latency_s=latency,
+        bandwidth=bandwidth,
+        repeats=cfg["repeats"] * 3,
+        warmup=2,
+        device=device,
+        runs=0,
+    )
+    times = {name: c.time_s for name, c in m.cases.items()}
+    t_link = {name: c.t_link_s for name, c in m.cases.items()}  # busiest rank's, per step
     best = min(times, key=times.__getitem__)
     cpu_flops = DEFAULT_COST_PARAMS["cpu"].flops_per_s
     told = choose_protocol(
@@ -357,16 +360,19 @@ def bench_layer_overlap(cfg: dict[str, Any], device: torch.device) -> list[dict[
         for mode in ("overlapped", "serial")
     }
     repeats = cfg["repeats"] * 3
-    with simulated_link(latency, bandwidth):
-        linked = interleaved_timing(cases, repeats=repeats, warmup=2, device=device)
+    m = measure_under_link(
+        cases,
+        latency_s=latency,
+        bandwidth=bandwidth,
+        repeats=repeats,
+        warmup=2,
+        device=device,
+        runs=0,
+    )
+    linked = {name: c.time_s for name, c in m.cases.items()}
     plain = interleaved_timing(cases, repeats=repeats, warmup=2, device=device)
-    t_link: dict[str, float] = {}  # modeled link seconds of one step, busiest rank
-    for name in variants:
-        with simulated_link(latency, bandwidth) as stats:
-            cases[f"{name}/overlapped"]()
-        t = torch.tensor([stats.modeled_s], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        t_link[name] = float(t[0])
+    # modeled link seconds of one overlapped step, busiest rank
+    t_link = {name: m.cases[f"{name}/overlapped"].t_link_s for name in variants}
     with simulated_link(latency, bandwidth):
         exposed_link, under_link = _exposed_exchange(cases, repeats)
     exposed_plain, under_plain = _exposed_exchange(cases, repeats)

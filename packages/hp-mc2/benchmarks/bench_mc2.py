@@ -60,12 +60,11 @@ from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
     bench_arguments,
     bench_record,
-    calibrate_link,
+    bytes_per_call,
     interleaved_timing,
-    max_over_ranks,
+    measure_under_link,
     peak_memory_bytes,
     run_ranks,
-    simulated_link,
     summary_line,
     synchronize,
     write_records,
@@ -203,9 +202,7 @@ def _measure(
         out["tracker"][name] = peak_memory_bytes(fn, device)
         fn()  # leaves this case's gradients allocated, as in training
         out["held"][name] = held_bytes(forwards[name], device)
-        with simulated_link(0.0, 1e18) as stats:
-            fn()
-        out["bytes"][name] = stats.bytes
+        out["bytes"][name] = bytes_per_call(fn)
     return out
 
 
@@ -219,54 +216,21 @@ def _link_records(
 ) -> list[dict[str, Any]]:
     """Each of ``ours`` (record name -> case) vs the blocking ``baseline``, interleaved under
     one modeled link whose bytes per step take as long as the baseline's step without it."""
-    latency, b = cfg["link_latency"], baseline
-    for _ in range(2):  # a block's first steps run slow (first touch); keep them out of it
-        cases[b]()
-    bandwidth, t_plain, t_compute, nbytes = calibrate_link(cases[b], cfg["repeats"])
-    run = {b: cases[b], **{a: cases[a] for a in ours.values()}}
+    run = {baseline: cases[baseline], **{a: cases[a] for a in ours.values()}}
+    m = measure_under_link(
+        run, baseline, latency_s=cfg["link_latency"], repeats=cfg["repeats"], device=device
+    )
+    # the peak memory of one step without the link, beside each
     peaks = {case: allocator_peak_bytes(fn, device) for case, fn in run.items()}
-    with simulated_link(latency, bandwidth):
-        times = interleaved_timing(run, repeats=cfg["repeats"], warmup=1, device=device)
-    t_link, added = {}, {}
-    for case, fn in run.items():
-        slept = []
-        for _ in range(_RUNS):  # what the link adds to a step: the time its waits slept
-            with simulated_link(latency, bandwidth) as stats:
-                fn()
-            slept.append(max_over_ranks(stats.slept_s))
-        t_link[case] = max_over_ranks(stats.modeled_s)
-        added[case] = statistics.median(slept)
     if dist.get_rank() == 0:
-        print(
-            f"link for {b}: step {t_plain * 1e3:.1f} ms without the link, compute "
-            f"{t_compute * 1e3:.1f} ms, "
-            f"{nbytes / 2**20:.2f} MiB/step -> bandwidth {bandwidth / 1e6:.1f} MB/s, "
-            f"latency {latency * 1e6:.0f} us"
-        )
+        print(f"link for {baseline}: {m.calibration_line()}")
     return [
-        bench_record(
+        m.record(
             name,
-            times[a],
-            times[b],
+            a,
             device=device.type,
-            ours=a,
-            baseline=b,
-            simulated=True,
-            link_latency_s=latency,
-            link_bytes_per_s=bandwidth,
             peak_mem_ours=peaks[a],
-            peak_mem_baseline=peaks[b],
-            t_link_s=t_link[b],
-            t_link_ours_s=t_link[a],
-            link_added_ours_s=added[a],
-            link_added_baseline_s=added[b],
-            t_step_blocking_s=t_plain,
-            t_compute_blocking_s=t_compute,
-            link_bytes_per_step=nbytes,
-            hidden_fraction=(times[b] - times[a]) / t_link[b],
-            # the calibration's check: 1 when the link took as long as the blocking compute
-            # in this run too (blocking step under the link = its compute + T_link)
-            link_over_compute=t_link[b] / (times[b] - t_link[b]),
+            peak_mem_baseline=peaks[baseline],
             **{"repeats": cfg["repeats"], **extra},
         )
         for name, a in ours.items()

@@ -56,11 +56,11 @@ from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.benchmarking import (
     bench_arguments,
     bench_record,
+    bytes_per_call,
     interleaved_timing,
     max_over_ranks,
     peak_memory_bytes,
     run_ranks,
-    simulated_link,
     summary_line,
     write_records,
 )
@@ -262,9 +262,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
             fn()
         moved[name] = int(max_over_ranks(float(counter.bytes)))
         by_op[name] = counter.by_op
-        with simulated_link(0.0, 1e18) as stats:
-            fn()
-        sim[name] = int(max_over_ranks(float(stats.bytes)))
+        sim[name] = int(max_over_ranks(float(bytes_per_call(fn))))
         params[name] = int(max_over_ranks(float(_expert_param_bytes(models[name]))))
     extra = {
         "seq": cfg["seq"],

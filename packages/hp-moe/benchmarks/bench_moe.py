@@ -76,12 +76,12 @@ from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.benchmarking import (
     bench_arguments,
     bench_record,
-    calibrate_link,
+    bytes_per_call,
     interleaved_timing,
     max_over_ranks,
+    measure_under_link,
     peak_memory_bytes,
     run_ranks,
-    simulated_link,
     summary_line,
     write_records,
 )
@@ -256,9 +256,8 @@ def _plain(b: _Bench) -> list[dict[str, Any]]:
         moved[name] = max_over_ranks(float(counter.bytes))
         by_op[name] = counter.by_op
         params[name] = max_over_ranks(float(_expert_param_bytes(models[name])))
-    with simulated_link(0.0, 1e18) as stats:  # the cross-check of ours' count
-        cases["ours_auto_ep4"]()
-    sim_bytes = max_over_ranks(float(stats.bytes))
+    # the cross-check of ours' count
+    sim_bytes = max_over_ranks(float(bytes_per_call(cases["ours_auto_ep4"])))
     auto = {f"auto_{k}": v for k, v in _auto_choice(models["ours_auto_ep4"]).items()}
     gm = _auto_choice(models["ours_grouped_mm_ep4"])
     pairs = [
@@ -296,33 +295,6 @@ def _plain(b: _Bench) -> list[dict[str, Any]]:
 
 
 # ---- part 3: under the modeled link ------------------------------------------------------------
-class _Linked:
-    """A case run under its own ``simulated_link`` each call, keeping each step's wall time on
-    this rank, its modeled link seconds and the seconds its waits slept (what the link added
-    to the step)."""
-
-    def __init__(self, fn: Any, latency: float, bandwidth: float) -> None:
-        self.fn, self.latency, self.bandwidth = fn, latency, bandwidth
-        self.wall: list[float] = []
-        self.modeled: list[float] = []
-        self.slept: list[float] = []
-
-    def __call__(self) -> None:
-        start = time.perf_counter()
-        with simulated_link(self.latency, self.bandwidth) as stats:
-            self.fn()
-        self.wall.append(time.perf_counter() - start)
-        self.modeled.append(stats.modeled_s)
-        self.slept.append(stats.slept_s)
-
-
-def _slowest(samples: list[float], device: torch.device) -> list[float]:
-    """Each repetition's value on the slowest rank."""
-    t = torch.tensor(samples, dtype=torch.float64, device=None if device.type == "cpu" else device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def _link(b: _Bench) -> list[dict[str, Any]]:
     cfg, device = b.cfg, b.device
     latency = cfg["link_latency"]
@@ -340,11 +312,17 @@ def _link(b: _Bench) -> list[dict[str, Any]]:
             models[twin[name]] = b.ours(chunks=c, overlap=False)
     plain = {name: b.case(m) for name, m in models.items()}
 
-    calib = plain["blocking_chunks1"]
-    for _ in range(2):  # a module's first steps run slow (first touch); keep them out of it
-        calib()
-    bandwidth, t_plain, t_compute, nbytes = calibrate_link(calib, cfg["link_repeats"])
-    bandwidth *= cfg["link_scale"]
+    # every case under one link whose bandwidth the blocking one-chunk step calibrates; the
+    # link figures are the timed steps' own
+    m = measure_under_link(
+        plain,
+        "blocking_chunks1",
+        latency_s=latency,
+        repeats=cfg["link_repeats"],
+        device=device,
+        scale=cfg["link_scale"],
+        runs=0,
+    )
     t_fwd, t_bwd = _phase_times(b, models["blocking_chunks1"], cfg["link_repeats"])
     forward_share = t_fwd / (t_fwd + t_bwd)
     # Whatever the schedule: half the step's bytes (dispatch + combine) move in the forward,
@@ -354,39 +332,23 @@ def _link(b: _Bench) -> list[dict[str, Any]]:
     bound = 1.0 - max(0.0, 0.5 * t_rel - forward_share) / t_rel
     peak = {name: max_over_ranks(float(peak_memory_bytes(fn, device))) for name, fn in
             plain.items()}  # fmt: skip
-    linked = {name: _Linked(fn, latency, bandwidth) for name, fn in plain.items()}
-    times = interleaved_timing(linked, repeats=cfg["link_repeats"], warmup=1, device=device)
-    warm = 1  # the warmup step's link figures are left out, as its time is
-    t_link = {n: max_over_ranks(statistics.median(c.modeled[warm:])) for n, c in linked.items()}
-    added = {n: max_over_ranks(statistics.median(c.slept[warm:])) for n, c in linked.items()}
-    wall = {n: _slowest(c.wall[warm:], device) for n, c in linked.items()}
     if dist.get_rank() == 0:
         print(
-            f"link: blocking 1-chunk step {t_plain * 1e3:.1f} ms without the link, compute "
-            f"{t_compute * 1e3:.1f} ms, {nbytes / 2**20:.2f} MiB/step -> bandwidth "
-            f"{bandwidth / 1e6:.1f} MB/s (x{cfg['link_scale']:g} the calibrated), latency "
-            f"{latency * 1e6:.0f} us; auto: "
+            f"link: blocking 1-chunk {m.calibration_line()}; auto: "
             f"{choice['chunks']} chunk(s) ({choice['chunks_reason']})"
         )
     records = []
     for name, base in twin.items():
         c = c_auto if name == "ours_auto" else int(name.removeprefix("ours_chunks"))
-        hidden = (times[base] - times[name]) / t_link[base]
-        # the same from each repetition's pair (the twin ran right beside it), median: drift
-        # on a shared host hits both sides of a pair alike
-        paired = statistics.median(
-            (tb - to) / t_link[base] for tb, to in zip(wall[base], wall[name], strict=True)
-        )
+        hidden = m.hidden_fraction(name, base)
+        ours_link = m.cases[name]
         ceiling = 1.0 - 1.0 / c
         records.append(
-            bench_record(
+            m.record(
                 f"{PREFIX}/link/{name}_vs_blocking",
-                times[name],
-                times[base],
+                name,
+                base,
                 device=device.type,
-                ours=name,
-                baseline=base,
-                simulated=True,
                 chunks=c,
                 auto_chunks=c_auto,
                 auto_chunks_reason=choice["chunks_reason"],
@@ -394,20 +356,9 @@ def _link(b: _Bench) -> list[dict[str, Any]]:
                 impl_reason=choice["impl_reason"],
                 peak_mem_ours=int(peak[name]),
                 peak_mem_baseline=int(peak[base]),
-                link_latency_s=latency,
-                link_bytes_per_s=bandwidth,
                 link_scale=cfg["link_scale"],
-                t_link_s=t_link[base],
-                t_link_ours_s=t_link[name],
-                link_added_ours_s=added[name],
-                link_added_baseline_s=added[base],
-                t_step_blocking_s=t_plain,
-                t_compute_blocking_s=t_compute,
-                link_bytes_per_step=nbytes,
-                hidden_fraction=hidden,
-                hidden_fraction_paired=paired,
                 # what ours' own schedule hid of ours' link: 1 - (its waits' sleep) / T_link
-                schedule_hidden_share=1.0 - added[name] / t_link[name],
+                schedule_hidden_share=1.0 - ours_link.added_s / ours_link.t_link_s,
                 ceiling=ceiling,
                 forward_share=forward_share,
                 t_forward_blocking_s=t_fwd,
@@ -415,9 +366,6 @@ def _link(b: _Bench) -> list[dict[str, Any]]:
                 bound_any_schedule=bound,
                 # the goal: 0.8 hidden, or within 0.05 of the schedule's ceiling
                 meets_goal=bool(hidden >= 0.8 or hidden >= ceiling - 0.05),
-                # the calibration's check: 1 when the link took as long as the blocking
-                # compute in this run too (blocking step under the link = compute + T_link)
-                link_over_compute=t_link[base] / (times[base] - t_link[base]),
                 repeats=cfg["link_repeats"],
                 load_avg_end=_loadavg(),
                 **_shapes(cfg),

@@ -8,6 +8,10 @@ all cases alike), and reports the median. Records are plain dicts written as a J
      "peak_mem_ours": bytes, "peak_mem_baseline": bytes, "world_size": ..., "device": ...,
      "torch_version": ..., ...extra fields such as shapes}
 
+Under a modeled link (:func:`simulated_link`), :func:`measure_under_link` times cases
+against a blocking baseline and :meth:`LinkMeasurement.fields` gives the link fields every
+such record carries (``link_latency_s``, ``t_link_s``, ``hidden_fraction``, ...).
+
 Timing is never used in a pass/fail test.
 """
 
@@ -20,6 +24,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +37,16 @@ from hyper_parallel.dtensor.simlink import LinkStats, simulated_link
 
 __all__ = [
     "LinkStats",
+    "LinkedCase",
+    "LinkMeasurement",
     "calibrate_link",
     "bench_arguments",
     "bench_record",
+    "bytes_per_call",
     "interleaved_timing",
     "launched_by_torchrun",
     "max_over_ranks",
+    "measure_under_link",
     "peak_memory_bytes",
     "run_ranks",
     "setup_torchrun_process",
@@ -278,10 +287,271 @@ def calibrate_link(fn: Callable[[], Any], repeats: int) -> tuple[float, float, f
     blocking collective then completes at its modeled time, which covers its real one); it is
     floored at a quarter of the plain step."""
     t_step = interleaved_timing({"b": fn}, repeats=repeats, warmup=1)["b"]
-    with simulated_link(0.0, 1e18) as count:
-        fn()
-    nbytes = max_over_ranks(count.bytes)
+    nbytes = max_over_ranks(bytes_per_call(fn))
     with simulated_link(0.0, nbytes / t_step):
         t_linked = interleaved_timing({"b": fn}, repeats=max(2, repeats // 2), warmup=0)["b"]
     t_compute = max(t_linked - t_step, 0.25 * t_step)
     return nbytes / t_compute, t_step, t_compute, nbytes
+
+
+def bytes_per_call(fn: Callable[[], Any]) -> int:
+    """Bytes this rank moves over its link in one call of ``fn``, counted by
+    :func:`simulated_link` at zero latency and unbounded bandwidth (so the call costs nothing
+    extra): by ``comm.link_bytes``, ``(P-1)/P`` of a gathered / scattered / exchanged buffer,
+    ``2(P-1)/P`` of an all-reduced one, the whole tensor of a send or broadcast. Every rank
+    that takes part in ``fn``'s collectives must call it (take :func:`max_over_ranks` of the
+    result for the busiest rank's figure)."""
+    with simulated_link(0.0, 1e18) as stats:
+        fn()
+    return stats.bytes
+
+
+@dataclass
+class LinkedCase:
+    """One case's figures under the modeled link, each the slowest (or busiest) rank's."""
+
+    time_s: float
+    """Median over the timed repetitions of the step's wall seconds under the link."""
+    times_s: list[float]
+    """Each timed repetition's wall seconds, in order: repetition ``i`` of every case of one
+    measurement ran in the same round, so ``times_s[i]`` of two cases form a pair."""
+    t_link_s: float
+    """Modeled link seconds per step (``LinkStats.modeled_s``: Σ latency + bytes / bandwidth
+    over the step's collectives)."""
+    added_s: float
+    """Seconds per step the step's waits slept (``LinkStats.slept_s``): what the link added to
+    this case's own step, the part of its link that compute did not hide."""
+
+
+@dataclass
+class LinkMeasurement:
+    """What :func:`measure_under_link` measured: the link, the calibration (when the bandwidth
+    was calibrated on the baseline) and every case's :class:`LinkedCase`."""
+
+    latency_s: float
+    bytes_per_s: float
+    cases: dict[str, LinkedCase]
+    baseline: str | None = None
+    repeats: int = 0
+    scale: float = 1.0
+    """The bandwidth as a multiple of the calibrated one (1 when not calibrated)."""
+    t_step_s: float | None = None
+    """The baseline's step without the link (calibration only)."""
+    t_compute_s: float | None = None
+    """The baseline's compute per step: its step under a link, less that link's time
+    (calibration only; see :func:`calibrate_link`)."""
+    bytes_per_step: float | None = None
+    """The baseline's bytes over the link per step, busiest rank (calibration only)."""
+    calibrated: bool = False
+
+    def _base(self, baseline: str | None) -> str:
+        base = baseline if baseline is not None else self.baseline
+        if base is None:
+            raise ValueError("no baseline: pass one, or measure with baseline=")
+        return base
+
+    def hidden_fraction(self, ours: str, baseline: str | None = None) -> float:
+        """``(T_baseline - T_ours) / T_link_baseline`` from the median times: the share of the
+        baseline's modeled link time that ours' step does not pay (1: all of it hidden, 0:
+        none; negative when ours is slower)."""
+        b = self.cases[self._base(baseline)]
+        return (b.time_s - self.cases[ours].time_s) / b.t_link_s
+
+    def hidden_fraction_paired(self, ours: str, baseline: str | None = None) -> float:
+        """The same from each repetition's pair (the two ran in the same round), median: drift
+        on a shared host hits both sides of a pair alike."""
+        b = self.cases[self._base(baseline)]
+        pairs = zip(b.times_s, self.cases[ours].times_s, strict=True)
+        return statistics.median((tb - to) / b.t_link_s for tb, to in pairs)
+
+    def link_over_compute(self, baseline: str | None = None) -> float:
+        """``T_link / (T_baseline - T_link)`` of the baseline: the calibration's check, 1 when
+        the link took as long as the blocking compute in this run too (a blocking step under
+        the link is its compute + T_link)."""
+        b = self.cases[self._base(baseline)]
+        rest = b.time_s - b.t_link_s
+        return b.t_link_s / rest if rest > 0 else float("nan")
+
+    def fields(self, ours: str, baseline: str | None = None) -> dict[str, Any]:
+        """The link fields of the record comparing ``ours`` with ``baseline`` (default: the
+        measurement's): ``simulated``, ``link_latency_s``, ``link_bytes_per_s``, ``t_link_s``
+        (the baseline's modeled link seconds per step), ``t_link_ours_s``,
+        ``link_added_ours_s``, ``link_added_baseline_s`` (the seconds each side's waits slept
+        per step), ``hidden_fraction``, ``hidden_fraction_paired``, ``link_over_compute`` and,
+        when the bandwidth was calibrated, ``t_step_blocking_s``, ``t_compute_blocking_s`` and
+        ``link_bytes_per_step`` (the baseline's step without the link, its compute and its
+        bytes per step)."""
+        base = self._base(baseline)
+        b, o = self.cases[base], self.cases[ours]
+        out: dict[str, Any] = {
+            "simulated": True,
+            "link_latency_s": self.latency_s,
+            "link_bytes_per_s": self.bytes_per_s,
+            "t_link_s": b.t_link_s,
+            "t_link_ours_s": o.t_link_s,
+            "link_added_ours_s": o.added_s,
+            "link_added_baseline_s": b.added_s,
+        }
+        if self.calibrated:
+            out["t_step_blocking_s"] = self.t_step_s
+            out["t_compute_blocking_s"] = self.t_compute_s
+            out["link_bytes_per_step"] = self.bytes_per_step
+        out["hidden_fraction"] = self.hidden_fraction(ours, base)
+        out["hidden_fraction_paired"] = self.hidden_fraction_paired(ours, base)
+        out["link_over_compute"] = self.link_over_compute(base)
+        return out
+
+    def record(
+        self,
+        name: str,
+        ours: str,
+        baseline: str | None = None,
+        *,
+        device: str = "cpu",
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """:func:`bench_record` of ``ours`` vs ``baseline`` under the link: their median times,
+        ``ours`` / ``baseline`` (the case names), :meth:`fields`, then ``extra``."""
+        base = self._base(baseline)
+        return bench_record(
+            name,
+            self.cases[ours].time_s,
+            self.cases[base].time_s,
+            device=device,
+            **{"ours": ours, "baseline": base, **self.fields(ours, base), **extra},
+        )
+
+    def calibration_line(self) -> str:
+        """One human line: the calibration (when there was one) and the link."""
+        scale = f" (x{self.scale:g} the calibrated)" if self.scale != 1.0 else ""
+        link = (
+            f"bandwidth {self.bytes_per_s / 1e6:.1f} MB/s{scale}, "
+            f"latency {self.latency_s * 1e6:.0f} us"
+        )
+        if not self.calibrated:
+            return link
+        assert self.t_step_s is not None and self.t_compute_s is not None
+        assert self.bytes_per_step is not None
+        return (
+            f"step {self.t_step_s * 1e3:.1f} ms without the link, compute "
+            f"{self.t_compute_s * 1e3:.1f} ms, {self.bytes_per_step / 2**20:.2f} MiB/step -> "
+            + link
+        )
+
+
+def _slowest(values: list[float], device: torch.device, group: Any) -> list[float]:
+    """Each value's maximum over the ranks of ``group``, in one collective (on the device for
+    an accelerator's backend)."""
+    if not (dist.is_available() and dist.is_initialized()) or not values:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=None if device.type == "cpu" else device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in t.tolist()]
+
+
+def measure_under_link(
+    cases: dict[str, Callable[[], Any]],
+    baseline: str | None = None,
+    *,
+    latency_s: float,
+    repeats: int,
+    device: torch.device | str | None = None,
+    bandwidth: float | None = None,
+    scale: float = 1.0,
+    runs: int = 3,
+    warmup: int = 1,
+    settle: int = 2,
+    group: Any = None,
+) -> LinkMeasurement:
+    """Every case of ``cases`` (name -> one step, e.g. a forward + backward) timed interleaved
+    under a modeled link (:func:`simulated_link`) of ``latency_s`` and ``bandwidth`` bytes/s.
+
+    Call it on every rank of ``group`` (default: the world; each rank models its own link)
+    with the same cases in the same order. Bandwidth ``None``: calibrated on the ``baseline``
+    case (normally the blocking schedule) with :func:`calibrate_link` (``repeats`` steps, after
+    ``settle`` steps that keep a module's slow first steps out of it), so that its bytes per
+    step take as long as its compute, then multiplied by ``scale`` (a bandwidth given is used
+    as it is).
+
+    Timing: ``warmup + repeats`` rounds, each running every case once in the order given,
+    ranks meeting at a barrier before each step, each step under a fresh link. Per case
+    (:class:`LinkedCase`): the median step time and each repetition's step time, the slowest
+    rank's; the modeled link seconds and the seconds its waits slept per step, each the
+    slowest rank's, median over ``runs`` steps run after the timing (``runs=0``: over the
+    timed repetitions themselves). Records compare two cases with
+    :meth:`LinkMeasurement.record` / :meth:`LinkMeasurement.fields`."""
+    if bandwidth is None and baseline is None:
+        raise ValueError("measure_under_link needs a baseline to calibrate the bandwidth on")
+    if baseline is not None and baseline not in cases:
+        raise ValueError(f"baseline {baseline!r} is not one of the cases {sorted(cases)}")
+    if repeats < 1:
+        raise ValueError(f"measure_under_link needs repeats >= 1, got {repeats}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    distributed = dist.is_available() and dist.is_initialized()
+    t_step = t_compute = nbytes = None
+    if bandwidth is None:
+        assert baseline is not None
+        for _ in range(settle):
+            cases[baseline]()
+        calibrated, t_step, t_compute, nbytes = calibrate_link(cases[baseline], repeats)
+        bandwidth = calibrated * scale
+    bytes_per_s: float = bandwidth
+    names = list(cases)
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    modeled: dict[str, list[float]] = {n: [] for n in names}
+    slept: dict[str, list[float]] = {n: [] for n in names}
+
+    def step(name: str) -> tuple[float, LinkStats]:
+        """One step of case ``name`` under a fresh link: this rank's wall seconds, the link."""
+        if distributed:
+            dist.barrier(group=group)
+        synchronize(dev)
+        start = time.perf_counter()
+        with simulated_link(latency_s, bytes_per_s) as stats:
+            cases[name]()
+        synchronize(dev)
+        return time.perf_counter() - start, stats
+
+    for rep in range(warmup + repeats):
+        for name in names:
+            elapsed, stats = step(name)
+            if rep >= warmup:
+                wall[name].append(elapsed)
+                if not runs:  # the link figures of the timed steps themselves
+                    modeled[name].append(stats.modeled_s)
+                    slept[name].append(stats.slept_s)
+    for name in names if runs else ():
+        for _ in range(runs):
+            _, stats = step(name)
+            modeled[name].append(stats.modeled_s)
+            slept[name].append(stats.slept_s)
+    # every sample reduced to the slowest rank's in one collective, then read back in order
+    flat = iter(
+        _slowest([v for n in names for v in (*wall[n], *modeled[n], *slept[n])], dev, group)
+    )
+
+    def take(k: int) -> list[float]:
+        return [next(flat) for _ in range(k)]
+
+    measured: dict[str, LinkedCase] = {}
+    for name in names:
+        times, links = take(len(wall[name])), take(len(modeled[name]))
+        sleeps = take(len(slept[name]))
+        measured[name] = LinkedCase(
+            time_s=statistics.median(times),
+            times_s=times,
+            t_link_s=statistics.median(links),
+            added_s=statistics.median(sleeps),
+        )
+    return LinkMeasurement(
+        latency_s=latency_s,
+        bytes_per_s=bytes_per_s,
+        cases=measured,
+        baseline=baseline,
+        repeats=repeats,
+        scale=scale if t_step is not None else 1.0,
+        t_step_s=t_step,
+        t_compute_s=t_compute,
+        bytes_per_step=nbytes,
+        calibrated=t_step is not None,
+    )
