@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _models_testutil import cp_tp_mesh, full
+from _models_testutil import assert_grads_like_serial, cp_tp_mesh, full, train_step
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hyper_parallel.dtensor.testing import run_distributed
@@ -28,15 +28,6 @@ from hyper_parallel.models.testing import import_transformers, random_batch, tin
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}  # Kimi-Linear's KDA computes in float32
 LOAD = {"dtype": torch.float64, "experts_implementation": "eager"}  # grouped_mm: no float64
-
-
-def _step(model, opt, mesh, seed):
-    out = model(**shard_batch(random_batch(seq=16, seed=seed), mesh))
-    out.loss.backward()
-    sync_gradients(model)
-    opt.step()
-    opt.zero_grad()
-    return out.loss.item()
 
 
 def _plain_loss(folder, seed):
@@ -59,15 +50,11 @@ def _save_side(tmp):
         for micro in (a, b):
             (0.5 * model(**shard_batch(micro, mesh)).loss).backward()
         sync_gradients(model)
-        for n, q in serial.named_parameters():
-            g = model.get_parameter(n).grad
-            assert (g is None) == (q.grad is None), n
-            if g is not None:
-                torch.testing.assert_close(full(g), q.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+        assert_grads_like_serial(model, serial, full, **TOL)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         opt.step()
         opt.zero_grad()
-        _step(model, opt, mesh, seed=3)
+        train_step(model, opt, mesh, seed=3)
         weights = {n: full(p) for n, p in model.named_parameters()}
         folder = os.path.join(tmp, f"{kind}-hf-rank{rank}")  # a folder per rank: who writes?
         model.save_pretrained(folder)
@@ -75,7 +62,7 @@ def _save_side(tmp):
         if kind == "kimi":
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp"))
-            report["losses"] = [_step(model, opt, mesh, seed=s) for s in (4, 5)]
+            report["losses"] = [train_step(model, opt, mesh, seed=s) for s in (4, 5)]
         if rank == 0:
             plain, loss = _plain_loss(folder, seed=4)
             for n, p in plain.named_parameters():
@@ -95,7 +82,7 @@ def _load_side(tmp, saved):
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=os.path.join(tmp, "dcp"))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    losses = [_step(model, opt, mesh, seed=s) for s in (4, 5)]
+    losses = [train_step(model, opt, mesh, seed=s) for s in (4, 5)]
     # a plain folder from save_pretrained, loaded then parallelised
     tf = import_transformers()
     plain = tf.AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "kimi-hf-rank0"), **LOAD)

@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from _models_testutil import grads, shard_errors, shifted_loss
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
@@ -41,15 +40,6 @@ def _batch(with_table: bool = False) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
-    return out
-
-
 def _serial(kind: str) -> dict[str, Any]:
     """The stock model on each document alone; the loss of the packed row (targets shifted on
     the full row: a document's last token targets the next one's first, which is -100)."""
@@ -59,12 +49,10 @@ def _serial(kind: str) -> dict[str, Any]:
     logits = torch.cat(
         [model(input_ids=ids[:, a:b]).logits for a, b in zip(OFFSETS, OFFSETS[1:])], dim=1
     )
-    targets = torch.cat([labels[:, 1:], torch.full((1, 1), IGNORE_INDEX)], dim=1)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-    loss = ce / (targets != IGNORE_INDEX).sum()
+    loss = shifted_loss(logits, labels)
     loss.backward()
     whole = tiny_model(kind)(input_ids=ids, labels=labels).loss.item()  # across documents
-    return {"loss": loss.item(), "logits": logits.detach(), "grads": _grads(model), "whole": whole}
+    return {"loss": loss.item(), "logits": logits.detach(), "grads": grads(model), "whole": whole}
 
 
 def _bad(mesh: Any) -> dict[str, str]:
@@ -80,14 +68,7 @@ def _bad(mesh: Any) -> dict[str, str]:
         "q_vs_k": {**good, "cu_seq_lens_q": torch.tensor(OFFSETS),
                    "cu_seq_lens_k": torch.tensor([0, 16])},
     }  # fmt: skip
-    out = {}
-    for name, batch in cases.items():
-        try:
-            shard_batch(batch, mesh)
-            out[name] = "NO ERROR"
-        except ValueError as exc:
-            out[name] = str(exc)
-    return out
+    return shard_errors(cases, mesh)
 
 
 def _record(seen: dict[str, tuple[int, ...]], name: str) -> Any:
@@ -121,7 +102,7 @@ def _run(world_size: int) -> dict[str, Any]:
             res[(kind, cp, tp)] = {
                 "loss": out.loss.item(),
                 "logits": out.logits.detach(),
-                "grads": _grads(model),
+                "grads": grads(model),
                 "seen": seen,
                 "table": local["cu_seqlens"].tolist(),
             }

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from _models_testutil import grads, shard_errors, shifted_loss
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
@@ -35,15 +34,6 @@ def _batch(rows: tuple[list[int], ...] = ROWS) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "position_ids": pos}
 
 
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
-    return out
-
-
 def _serial(kind: str) -> dict[str, Any]:
     """The stock model on each document of each row alone; the loss over the whole batch."""
     model = tiny_model(kind)
@@ -55,11 +45,9 @@ def _serial(kind: str) -> dict[str, Any]:
             for r, o in enumerate(ROWS)
         ]
     )
-    targets = torch.cat([labels[:, 1:], torch.full((len(ROWS), 1), IGNORE_INDEX)], dim=1)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-    loss = ce / (targets != IGNORE_INDEX).sum()
+    loss = shifted_loss(logits, labels)
     loss.backward()
-    return {"loss": loss.item(), "logits": logits.detach(), "grads": _grads(model)}
+    return {"loss": loss.item(), "logits": logits.detach(), "grads": grads(model)}
 
 
 def _bad(mesh: Any) -> dict[str, str]:
@@ -69,14 +57,7 @@ def _bad(mesh: Any) -> dict[str, str]:
         "table_with_dp": {**good, "cu_seq_lens_q": torch.tensor(ROWS[0])},
         "two_rows_per_replica": four,
     }
-    out = {}
-    for name, batch in cases.items():
-        try:
-            shard_batch(batch, mesh)
-            out[name] = "NO ERROR"
-        except ValueError as exc:
-            out[name] = str(exc)
-    return out
+    return shard_errors(cases, mesh)
 
 
 def _run() -> dict[str, Any]:
@@ -93,7 +74,7 @@ def _run() -> dict[str, Any]:
         res[kind] = {
             "loss": out.loss.item(),
             "logits": out.logits.detach(),
-            "grads": _grads(model),
+            "grads": grads(model),
             "table": local["cu_seqlens"].tolist(),
             "ids": local["input_ids"],
         }

@@ -10,7 +10,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from _models_testutil import full64
+from _models_testutil import (
+    assert_grads_like_serial,
+    assert_params_like_serial,
+    full64,
+    step_all,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
@@ -64,29 +69,14 @@ def _train(dp, cp, tp, cases, tmp):
             torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), **TOL)
             losses.append(out.loss.item())
             if step == 0:
-                n_grads = 0
-                for n, q in serial.named_parameters():
-                    g = model.get_parameter(n).grad
-                    assert (g is None) == (q.grad is None), n
-                    if g is not None:
-                        n_grads += 1
-                        torch.testing.assert_close(
-                            full64(g), q.grad, **TOL, msg=lambda m, n=n, k=kind: f"{k} {n}: {m}"
-                        )
+                n_grads = assert_grads_like_serial(model, serial, label=f"{kind} ", **TOL)
                 assert n_grads > 20
                 # HSDP / dp-replicated gradients are counted once; no clipping (coef 1)
                 ref_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9)
                 norm = clip_grad_norm_(model, 1e9)
                 torch.testing.assert_close(norm, ref_norm, rtol=2e-6, atol=0)
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-        ref_params = dict(serial.named_parameters())
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(
-                full64(p), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=lambda m, n=n: n
-            )
+            step_all(opt, ref_opt)
+        assert_params_like_serial(model, serial)
         probe = random_batch(bsz=BSZ, seq=SEQ, seed=9)
         local = shard_batch(probe, mesh)
         with torch.no_grad():

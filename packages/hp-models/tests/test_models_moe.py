@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models_testutil import cp_tp_mesh, full64
+from _models_testutil import (
+    assert_grads_like_serial,
+    assert_params_like_serial,
+    cp_tp_mesh,
+    full64,
+    step_all,
+)
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import run_distributed
@@ -80,13 +86,7 @@ def _train(shape, cases):
             sync_gradients(model)
             torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), **TOL)
             if step == 0:
-                for n, q in serial.named_parameters():
-                    g = model.get_parameter(n).grad
-                    assert (g is None) == (q.grad is None), n
-                    if g is not None:
-                        torch.testing.assert_close(
-                            full64(g), q.grad, **TOL, msg=lambda m, n=n, k=kind: f"{k} {n}: {m}"
-                        )
+                assert_grads_like_serial(model, serial, label=f"{kind} ", **TOL)
                 ref_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9)
                 torch.testing.assert_close(clip_grad_norm_(model, 1e9), ref_norm, rtol=2e-6, atol=0)
                 # the routers' bias moves by the serial routing of the whole batch
@@ -97,15 +97,8 @@ def _train(shape, cases):
                     got = _routers(model)[n].e_score_correction_bias
                     torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
                     _routers(serial)[n].e_score_correction_bias.copy_(got)
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-        ref_params = dict(serial.named_parameters())
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(
-                full64(p), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=lambda m, n=n: n
-            )
+            step_all(opt, ref_opt)
+        assert_params_like_serial(model, serial)
         report.append({
             "case": (kind, ep, reduction),
             "held": held,

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _models_testutil import cp_tp_mesh, full
+from _models_testutil import cp_tp_mesh, full, train_step
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hyper_parallel.dtensor.testing import run_distributed
@@ -31,28 +31,19 @@ MOE = {"n_routed_experts": 8}
 FIRST = "fsdp" if fsdp_available() else "allreduce"
 
 
-def _step(model, opt, mesh, seed):
-    out = model(**shard_batch(random_batch(seq=16, seed=seed), mesh))
-    out.loss.backward()
-    sync_gradients(model)
-    opt.step()
-    opt.zero_grad()
-    return out.loss.item()
-
-
 def _save_side(tmp):
     mesh = cp_tp_mesh(2, 2)
     model = parallelize_model(
         tiny_model("deepseek", seed=0, **MOE), mesh, grad_reduction=FIRST, ep=4
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _step(model, opt, mesh, seed=1)
+    train_step(model, opt, mesh, seed=1)
     weights = {n: full(p) for n, p in model.named_parameters()}
     folder = os.path.join(tmp, "hf")
     model.save_pretrained(folder)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp"))
-    losses = [_step(model, opt, mesh, seed=s) for s in (2, 3)]
+    losses = [train_step(model, opt, mesh, seed=s) for s in (2, 3)]
     report = {"losses": losses}
     if dist.get_rank() == 0:
         plain = import_transformers().AutoModelForCausalLM.from_pretrained(folder, **LOAD)
@@ -76,7 +67,7 @@ def _load_side(tmp):
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=os.path.join(tmp, "dcp"))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return [_step(model, opt, mesh, seed=s) for s in (2, 3)]
+    return [train_step(model, opt, mesh, seed=s) for s in (2, 3)]
 
 
 @pytest.mark.timeout(500)
