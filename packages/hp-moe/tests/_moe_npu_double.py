@@ -19,6 +19,7 @@ whether the weight was a transposed view).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,11 @@ INNER_LIMIT = 65536
 
 def _name(dtype: torch.dtype) -> str:
     return _NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _failure(op: str) -> Callable[[str], RuntimeError]:
+    """The error of a failed check of ``op``: a ``RuntimeError`` that starts with its name."""
+    return lambda msg: RuntimeError(f"{op}: {msg}")
 
 
 @dataclass
@@ -89,9 +95,7 @@ class NpuMoeOpsDouble:
         padded_mode: bool = False,
     ) -> tuple[Tensor, Tensor]:
         op = "npu_moe_token_permute"
-
-        def fail(msg: str) -> RuntimeError:
-            return RuntimeError(f"{op}: {msg}")
+        fail = _failure(op)
 
         self.calls.append(
             Call(
@@ -146,9 +150,7 @@ class NpuMoeOpsDouble:
         restore_shape: Any = None,
     ) -> Tensor:
         op = "npu_moe_token_unpermute"
-
-        def fail(msg: str) -> RuntimeError:
-            return RuntimeError(f"{op}: {msg}")
+        fail = _failure(op)
 
         self.calls.append(
             Call(
@@ -232,9 +234,7 @@ class NpuMoeOpsDouble:
         tuning_config: list[int] | None = None,
     ) -> list[Tensor]:
         op = "npu_grouped_matmul"
-
-        def fail(msg: str) -> RuntimeError:
-            return RuntimeError(f"{op}: {msg}")
+        fail = _failure(op)
 
         if not isinstance(x, (list, tuple)) or not isinstance(weight, (list, tuple)):
             raise fail("x and weight must be lists of tensors")
