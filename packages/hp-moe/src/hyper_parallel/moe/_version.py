@@ -1,1 +1,1 @@
-__version__ = "0.1.1.dev0"
+__version__ = "0.1.1.dev1"
