@@ -147,24 +147,31 @@ def _rank_main(
 ) -> None:
     try:
         _rank_setup(rank, world_size, port, threads, sys_path)
-        import torch.distributed as dist
-
-        fn, args, kwargs = pickle.loads(payload)
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=max(timeout, 1.0)),
-        )
-        result = fn(*args, **kwargs)
-        _flush_c_stdout()  # what C++ printed reaches the caller before the result does
-        queue.put((rank, 0, "ok", pickle.dumps(result)))
-        # Rank 0 hosts the rendezvous store: nobody leaves (taking the store or a peer
-        # connection with it) while a slower rank may still be creating groups.
-        dist.barrier()
-        dist.destroy_process_group()
+        _call(rank, world_size, backend, timeout, payload, queue, 0)
     except BaseException as exc:
         queue.put((rank, 0, type(exc).__name__, traceback.format_exc()))
+
+
+def _call(
+    rank: int, world_size: int, backend: str, timeout: float, payload: bytes, queue: Any, call: int
+) -> None:
+    """One call on this rank: a process group for it, ``fn``, the report, the group's end."""
+    import torch.distributed as dist
+
+    fn, args, kwargs = pickle.loads(payload)
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=max(timeout, 1.0)),
+    )
+    result = fn(*args, **kwargs)
+    _flush_c_stdout()  # what C++ printed reaches the caller before the result does
+    queue.put((rank, call, "ok", pickle.dumps(result)))
+    # Rank 0 hosts the rendezvous store: nobody leaves (taking the store or a peer
+    # connection with it) while a slower rank may still be creating groups.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _pool_rank_main(
@@ -183,7 +190,6 @@ def _pool_rank_main(
     try:
         _rank_setup(rank, world_size, 0, threads, sys_path)
         import torch
-        import torch.distributed as dist
     except BaseException as exc:
         queue.put((rank, None, type(exc).__name__, traceback.format_exc()))
         return
@@ -195,18 +201,7 @@ def _pool_rank_main(
         environ, dtype, grad = dict(os.environ), torch.get_default_dtype(), torch.is_grad_enabled()
         try:
             os.environ["MASTER_PORT"] = str(port)
-            fn, args, kwargs = pickle.loads(payload)
-            dist.init_process_group(
-                backend,
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=max(timeout, 1.0)),
-            )
-            result = fn(*args, **kwargs)
-            _flush_c_stdout()
-            queue.put((rank, call, "ok", pickle.dumps(result)))
-            dist.barrier()  # as in _rank_main: nobody leaves while a peer still needs the store
-            dist.destroy_process_group()
+            _call(rank, world_size, backend, timeout, payload, queue, call)
         except BaseException as exc:
             queue.put((rank, call, type(exc).__name__, traceback.format_exc()))
             return
