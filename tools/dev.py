@@ -228,17 +228,16 @@ def _tools_python() -> Path:
 
 
 # ``test`` runs nox's default sessions in three lanes at once: each keeps the machine's cores
-# busy only part of the time (rank start-up, imports and gloo waits leave about half of two
-# cores idle in the package tests; the checks are mostly builds, downloads and single-process
-# work), and three lanes end sooner than one. Measured on a fresh clone (2 cores): tests
-# 24 min, integration 11, checks 29; all 29.6 min. (Moving lowest and wheelhouse to the
-# integration lane measured worse: compat_ci then ran beside the heavier integration tests.)
-# Every default session is in exactly one lane (tests/tools/test_dev.py). HP_TEST_LANES=1 runs
-# them one after another, as plain nox does.
+# busy only part of the time (rank start-up, imports and gloo waits leave part of two cores
+# idle in the package tests; the checks are mostly builds, downloads and single-process work),
+# and three lanes end sooner than one. The lanes are balanced by measured time on a fresh clone
+# (2 cores; README, "Run the tests"): lint runs beside the integration tests, the longest lane
+# is the checks' (two compat_ci selections). Every default session is in exactly one lane
+# (tests/tools/test_dev.py). HP_TEST_LANES=1 runs them one after another, as plain nox does.
 LANES = {
     "tests": ["tests"],
-    "integration": ["integration"],
-    "checks": ["lint", "pins", "lowest", "wheelhouse", "compat_ci"],
+    "integration": ["integration", "lint"],
+    "checks": ["pins", "lowest", "wheelhouse", "compat_ci"],
 }
 
 
