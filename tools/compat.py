@@ -12,7 +12,11 @@
                                                 venv (unless --keep)
     python tools/compat.py render               docs/compatibility.md from compat-results/*.json
 
-``nox -s compat -- 2.7.1 [--keep]`` and the default ``compat_ci`` sessions call ``run``.
+    python tools/compat.py run 2.7.1 --ci       the selection less the README examples, result
+                                                in compat-results/ci/ (not a table row)
+
+``nox -s compat -- 2.7.1 [--keep]`` calls ``run``; the default ``compat_ci`` sessions call
+``run --ci``.
 
 Installation: ``uv pip`` with ``torch==<version>`` and the repository's other pins
 (constraints.txt without its torch line). pip's local settings (find-links, extra index URLs),
@@ -78,13 +82,24 @@ def venv_dir(version: str) -> Path:
     return ROOT / ".nox" / f"compat-{version.replace('.', '_')}"
 
 
-def result_path(version: str) -> Path:
-    return RESULTS / f"torch-{version}.json"
+def result_path(version: str, ci: bool = False) -> Path:
+    """Where a run's JSON goes: ``compat-results/torch-<version>.json`` (a row of the table), or
+    for a ``--ci`` run ``compat-results/ci/`` (ignored by git and by the table)."""
+    return (RESULTS / "ci" if ci else RESULTS) / f"torch-{version}.json"
 
 
-def selection(path: Path = SELECTION) -> list[str]:
+def selection(path: Path = SELECTION, ci: bool = False) -> list[str]:
+    """The selection's node ids; ``ci``: less the README examples (what ``compat_ci`` runs)."""
     lines = path.read_text().splitlines()
-    return [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
+    nodes = [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
+    return [n for n in nodes if not _is_readme_example(n)] if ci else nodes
+
+
+def _is_readme_example(nodeid: str) -> bool:
+    """A package's README examples (``tests/test_*_readme.py``): each runs in an interpreter of
+    its own, so they are most of the selection's time. The ``tests`` session runs them on the
+    pinned torch and every row of the table on its own torch; ``compat_ci`` leaves them out."""
+    return nodeid.split("::")[0].endswith("_readme.py")
 
 
 def package_of(nodeid: str) -> str:
@@ -254,13 +269,14 @@ def _snapshot(dest: Path) -> str | None:
     return head.stdout.strip()
 
 
-def run(version: str, keep: bool, python: str, worktree: bool = False) -> int:
+def run(version: str, keep: bool, python: str, worktree: bool = False, ci: bool = False) -> int:
     _uv()  # fails here, before any result is written, when uv is missing
     venv = venv_dir(version)
     record: dict[str, Any] = {
         "torch_requested": version,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": f"nox -s compat -- {version}",
+        "command": f"nox -s compat_ci -- {version}" if ci else f"nox -s compat -- {version}",
+        "selection": "ci: without the README examples" if ci else "full",
         "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only (gloo)",
     }
@@ -293,7 +309,7 @@ def run(version: str, keep: bool, python: str, worktree: bool = False) -> int:
         # tests that commit does not have)
         proc = subprocess.run(
             [str(venv / "bin" / "python"), "-m", "pytest",
-             *selection(src / SELECTION.relative_to(ROOT)), f"--junitxml={junit}",
+             *selection(src / SELECTION.relative_to(ROOT), ci), f"--junitxml={junit}",
              "-o", "junit_family=xunit1", "-p", "no:cacheprovider", "-q"],
             cwd=src, env={**os.environ, **ENV},
         )  # fmt: skip
@@ -307,9 +323,10 @@ def run(version: str, keep: bool, python: str, worktree: bool = False) -> int:
         rc = 0 if proc.returncode == 0 else 1
         return rc
     finally:
-        RESULTS.mkdir(exist_ok=True)
-        result_path(version).write_text(json.dumps(record, indent=1) + "\n")
-        print(f"[compat] torch {version}: {result_path(version).relative_to(ROOT)}", flush=True)
+        out = result_path(version, ci)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"[compat] torch {version}: {out.relative_to(ROOT)}", flush=True)
         for pkg, s in record.get("packages", {}).items():
             print(f"[compat]   {pkg:20s} {s['status']:15s} {s['passed']} passed, "
                   f"{s['failed']} failed, {s['skipped']} skipped", flush=True)  # fmt: skip
@@ -417,10 +434,13 @@ def main(argv: list[str]) -> int:
     r.add_argument("--python", default=sys.executable, help="interpreter for the venv")
     r.add_argument("--worktree", action="store_true",
                    help="test the working tree as it is (default: HEAD, exported)")  # fmt: skip
+    r.add_argument("--ci", action="store_true",
+                   help="the selection less the README examples, result under compat-results/ci/ "
+                        "(what nox -s compat_ci runs; not a row of the table)")  # fmt: skip
     sub.add_parser("render", help="write docs/compatibility.md from compat-results/")
     args = parser.parse_args(argv)
     if args.command == "run":
-        return run(args.version, args.keep, args.python, args.worktree)
+        return run(args.version, args.keep, args.python, args.worktree, args.ci)
     DOC.write_text(render())
     print(f"[compat] wrote {DOC.relative_to(ROOT)}")
     return 0

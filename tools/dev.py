@@ -230,14 +230,19 @@ def _tools_python() -> Path:
 # ``test`` runs nox's default sessions in three lanes at once: each keeps the machine's cores
 # busy only part of the time (rank start-up, imports and gloo waits leave part of two cores
 # idle in the package tests; the checks are mostly builds, downloads and single-process work),
-# and three lanes end sooner than one. The lanes are balanced by measured time on a fresh clone
-# (2 cores; README, "Run the tests"): lint runs beside the integration tests, the longest lane
-# is the checks' (two compat_ci selections). Every default session is in exactly one lane
-# (tests/tools/test_dev.py). HP_TEST_LANES=1 runs them one after another, as plain nox does.
+# and three lanes end sooner than one. The lanes are balanced by the time each session took on
+# a fresh clone (2 cores, the three lanes at once; README, "Run the tests"): hp-models' tests
+# are the longest session, so the package tests are split over the lanes. Every default
+# session (each package's ``tests``) is in exactly one lane (tests/tools/test_dev.py).
+# HP_TEST_LANES=1 runs them one after another, as plain nox does.
+def _tests(dist: str) -> str:
+    return f"tests(package='{dist}')"
+
+
 LANES = {
-    "tests": ["tests"],
-    "integration": ["integration", "lint"],
-    "checks": ["pins", "lowest", "wheelhouse", "compat_ci"],
+    "tests": [_tests("hp-models"), _tests("hp-moe"), _tests("hp-mc2")],
+    "integration": ["integration", _tests("hp-kda-kernels"), _tests("hp-context-parallel")],
+    "checks": [_tests("hp-dtensor"), "lint", "pins", "lowest", "wheelhouse", "compat_ci"],
 }
 
 

@@ -24,6 +24,16 @@ def test_selection_names_existing_test_files_of_every_package() -> None:
     assert {compat.package_of(n) for n in nodes} == set(compat.PACKAGES)
 
 
+def test_ci_selection_is_the_selection_less_the_readme_examples_and_still_covers_every_package():
+    full, ci = compat.selection(), compat.selection(ci=True)
+    readme = [n for n in full if n.split("::")[0].endswith("_readme.py")]
+    assert readme and all(n not in ci for n in readme)
+    assert ci == [n for n in full if n not in readme]
+    assert {compat.package_of(n) for n in ci} == set(compat.PACKAGES)
+    assert compat.result_path("2.7.1", ci=True).parent == compat.RESULTS / "ci"
+    assert compat.result_path("2.7.1").parent == compat.RESULTS  # a row of the table
+
+
 def _case(pkg: str, outcome: str, message: str = "") -> dict:
     return {"nodeid": f"x::{outcome}", "package": pkg, "outcome": outcome, "message": message}
 

@@ -33,9 +33,17 @@ def _default_sessions() -> list[str]:
 
 
 def test_every_default_session_runs_in_exactly_one_lane() -> None:
+    """A lane names a session (all of its parametrisations) or one parametrisation of it; each
+    package's ``tests`` session is in exactly one lane, and so is every other default session."""
+    import _packages
+
     in_lanes = [s for sessions in dev.LANES.values() for s in sessions]
-    assert sorted(in_lanes) == sorted(_default_sessions())
     assert len(in_lanes) == len(set(in_lanes))
+    assert sorted({s.split("(")[0] for s in in_lanes}) == sorted(_default_sessions())
+    tests = [s for s in in_lanes if s.split("(")[0] == "tests"]
+    assert "tests" not in tests or len(tests) == 1, "all packages' tests and some again"
+    if "tests" not in tests:
+        assert sorted(tests) == sorted(f"tests(package='{p.dist}')" for p in _packages.packages())
 
 
 def _fake_nox(tmp_path: Path) -> list[str]:
