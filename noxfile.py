@@ -2,8 +2,8 @@
 packages/*/pyproject.toml: six packages today).
 
     nox                         the default set CI runs (``python3 tools/dev.py test`` runs it in
-                                three lanes): tests, integration, lint, pins, lowest,
-                                wheelhouse, compat_ci
+                                three lanes, tools/dev.py's LANES): tests, integration, lint,
+                                pins, lowest, wheelhouse, compat_ci
     nox -s tests                every package's tests, each in its own venv with only that package
                                 and the siblings it declares
     nox -s "tests(package='hp-mc2')"   one package
@@ -21,7 +21,8 @@ packages/*/pyproject.toml: six packages today).
     nox -s release -- DIST      release one package (RELEASING.md)
     nox -s compat -- 2.10.0 [--keep]  the compact cross-version selection on one torch release
                                 (tools/compat.py, docs/compatibility.md); compat_ci (default):
-                                on the declared floor and the newest torch
+                                on the declared floor and the newest torch, less the README
+                                examples
 
 torch: CI pins it through ``constraints.txt`` (torch==2.13.0, the CPU wheel). On NPU or CUDA
 images that come with their own torch (and torch_npu), set ``HP_USE_SYSTEM_TORCH=1``: the

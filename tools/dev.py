@@ -240,9 +240,9 @@ def _tests(dist: str) -> str:
 
 
 LANES = {
-    "tests": [_tests("hp-models"), _tests("hp-moe"), _tests("hp-mc2")],
-    "integration": ["integration", _tests("hp-kda-kernels"), _tests("hp-context-parallel")],
-    "checks": [_tests("hp-dtensor"), "lint", "pins", "lowest", "wheelhouse", "compat_ci"],
+    "tests": [_tests("hp-models"), _tests("hp-moe"), _tests("hp-mc2"), _tests("hp-dtensor")],
+    "integration": ["integration", _tests("hp-kda-kernels")],
+    "checks": ["lint", "pins", "lowest", "wheelhouse", "compat_ci", _tests("hp-context-parallel")],
 }
 
 
