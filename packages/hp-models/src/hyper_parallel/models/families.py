@@ -10,13 +10,22 @@ through hp-mc2) or an MoE block (local, replicated parameters).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from hyper_parallel.context_parallel import SUPPORTED_MLA_CLASSES
 from hyper_parallel.kda import SUPPORTED_KDA_CLASSES
+from hyper_parallel.models.hub import Fused, HubLayout
 
-__all__ = ["FAMILIES", "BlockKinds", "ModelFamily", "family_of", "supported_classes"]
+__all__ = [
+    "FAMILIES",
+    "BlockKinds",
+    "ModelFamily",
+    "family_of",
+    "family_of_config",
+    "supported_classes",
+]
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,8 @@ class ModelFamily:
     causal_lm: str
     base: str
     blocks: BlockKinds
+    model_type: str = ""  # config.json's ``model_type``
+    hub: HubLayout = HubLayout()  # the checkpoint layout on the hub (per-expert keys, ...)
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -51,6 +62,15 @@ FAMILIES: tuple[ModelFamily, ...] = (
             dense_mlp=("KimiLinearMLP",),
             moe=("KimiLinearMoE",),
         ),
+        model_type="kimi_linear",
+        hub=HubLayout(
+            renames=((r"\.mlp\.", ".block_sparse_moe."), (r"\.self_attn\.forget_gate\.", ".self_attn.")),
+            fused=(
+                Fused("conv1d.weight", ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")),
+                Fused("experts.gate_up_proj", ("experts.{e}.w1.weight", "experts.{e}.w3.weight"), per_expert=True),
+                Fused("experts.down_proj", ("experts.{e}.w2.weight",), per_expert=True),
+            ),
+        ),
     ),
     ModelFamily(
         name="deepseek-v3",
@@ -61,6 +81,13 @@ FAMILIES: tuple[ModelFamily, ...] = (
             kda=(),
             dense_mlp=("DeepseekV3MLP",),
             moe=("DeepseekV3MoE",),
+        ),
+        model_type="deepseek_v3",
+        hub=HubLayout(
+            fused=(
+                Fused("experts.gate_up_proj", ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight"), per_expert=True),
+                Fused("experts.down_proj", ("experts.{e}.down_proj.weight",), per_expert=True),
+            ),
         ),
     ),
 )
@@ -83,6 +110,20 @@ def _check_against_the_layers() -> None:
 
 
 _check_against_the_layers()
+
+
+def family_of_config(config: dict[str, Any]) -> ModelFamily:
+    """The family of a ``config.json`` (its ``architectures`` or ``model_type``); ``TypeError``
+    naming the supported ones otherwise."""
+    archs = config.get("architectures") or []
+    for fam in FAMILIES:
+        if fam.causal_lm in archs or fam.base in archs or config.get("model_type") == fam.model_type:
+            return fam
+    raise TypeError(
+        f"config.json names {archs or config.get('model_type')!r}; hp-models parallelises "
+        f"{', '.join(f.causal_lm for f in FAMILIES)} (model_type "
+        f"{', '.join(repr(f.model_type) for f in FAMILIES)})"
+    )
 
 
 def supported_classes() -> list[str]:
