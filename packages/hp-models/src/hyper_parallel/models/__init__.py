@@ -5,7 +5,10 @@
 context-parallel over the flattened mesh (hp-context-parallel, hp-kda-kernels), dense MLPs
 tensor + sequence parallel over ``tp`` (hp-mc2). ``shard_batch`` cuts a batch into this rank's
 sequence block, ``gather_sequence`` puts a block-sharded tensor back together and
-``sync_gradients`` sums the gradients so they equal the serial model's.
+``sync_gradients`` sums the gradients so they equal the serial model's. ``from_pretrained``
+loads a downloaded Hugging Face folder straight into a parallelised model, each rank reading
+only its own slices; the parallelised model's ``save_pretrained`` writes one back from every
+rank, without gathering it.
 """
 
 from hyper_parallel.models._version import __version__
@@ -18,17 +21,21 @@ from hyper_parallel.models.loss import global_mean_loss
 from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
 from hyper_parallel.models.parallelize import parallelize_model
 from hyper_parallel.models.plan import ParallelPlan, is_model_parallelized
+from hyper_parallel.models.pretrained import LoadReport, from_pretrained, load_report
 
 __all__ = [
     "IGNORE_INDEX",
+    "LoadReport",
     "ParallelPlan",
     "SequenceMesh",
     "__version__",
     "balance_experts",
     "clip_grad_norm_",
+    "from_pretrained",
     "gather_sequence",
     "global_mean_loss",
     "is_model_parallelized",
+    "load_report",
     "parallelize_model",
     "sequence_mesh",
     "shard_batch",

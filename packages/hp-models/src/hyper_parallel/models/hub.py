@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from hyper_parallel.models.regions import Box
 
-__all__ = ["Fused", "HubFolder", "HubLayout", "Piece"]
+__all__ = ["Fused", "HubFolder", "HubLayout", "Piece", "model_tensors"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -244,3 +244,14 @@ class HubFolder:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds, by state-dict key: every parameter (a tied one once) and
+    every persistent buffer."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for mod_name, mod in model.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{name}" if mod_name else name] = buf
+    return out

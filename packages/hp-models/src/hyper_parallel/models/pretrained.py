@@ -32,11 +32,11 @@ from torch import nn
 
 from hyper_parallel.dtensor import DeviceMesh
 from hyper_parallel.models.families import ModelFamily, family_of_config
-from hyper_parallel.models.hub import HubFolder
+from hyper_parallel.models.hub import HubFolder, model_tensors
 from hyper_parallel.models.parallelize import parallelize_model
-from hyper_parallel.models.regions import local_box
+from hyper_parallel.models.regions import local_box, mesh_device
 
-__all__ = ["LoadReport", "from_pretrained", "load_report", "model_tensors"]
+__all__ = ["LoadReport", "from_pretrained", "load_report"]
 
 _REPORT = "_hp_load_report"
 
@@ -78,24 +78,6 @@ def _parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint holds, by state-dict key: every parameter (a tied one once) and
-    every persistent buffer."""
-    out: dict[str, torch.Tensor] = dict(model.named_parameters())
-    for mod_name, mod in model.named_modules():
-        for name, buf in mod.named_buffers(recurse=False):
-            if buf is not None and name not in mod._non_persistent_buffers_set:
-                out[f"{mod_name}.{name}" if mod_name else name] = buf
-    return out
-
-
-def _device(mesh: DeviceMesh) -> torch.device:
-    kind = mesh.device_type
-    if kind == "cpu":
-        return torch.device("cpu")
-    return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
 def _build(folder: HubFolder, fam: ModelFamily, dtype: Any, impl: dict[str, Any]) -> nn.Module:
@@ -225,7 +207,7 @@ def from_pretrained(
     )
     _check_folder(folder, fam, model)
     parallelize_model(model, mesh, ep=ep, **kwargs)
-    _materialise(model, _device(mesh))
+    _materialise(model, mesh_device(mesh))
     _fill(folder, fam, model)
     folder.close()
     report = LoadReport(

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from hyper_parallel.dtensor import comm
 
-__all__ = ["Box", "box_of", "gather_over", "local_box"]
+__all__ = ["Box", "box_of", "gather_over", "local_box", "mesh_device"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def gather_over(t: Tensor, keep: Sequence[str], name: str, owner: str) -> tuple[
     coord = mesh.get_coordinate()
     assert coord is not None
     data = t.to_local().detach()
-    gathered: set[int] = set(kept)
+    gathered: set[int] = set()
     shape, mshape = tuple(t.shape), tuple(mesh.mesh.shape)
     for i in reversed(order):
         g = comm.resolve_group(mesh[names[i]], "gathering a parameter")
@@ -145,3 +145,10 @@ def gather_over(t: Tensor, keep: Sequence[str], name: str, owner: str) -> tuple[
         data = out
     return data, box_of(shape, mshape, coord, t.placements, frozenset(gathered))
 
+
+def mesh_device(mesh: Any) -> torch.device:
+    """The device a mesh's collectives run on: the current one of its type."""
+    kind = mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
