@@ -82,9 +82,9 @@ def _train(dp, cp, tp, cases, tmp):
         with torch.no_grad():
             flops = _flops(model, local)
             serial_flops = _flops(serial, probe)
-        if kind == cases[0][0]:  # save_pretrained under dp: one writer, the same weights
+        if kind == cases[0][0]:  # save_pretrained under dp: every rank writes, the same weights
             rank = dist.get_rank()
-            folder = os.path.join(tmp, f"hf-rank{rank}")
+            folder = os.path.join(tmp, "hf")
             weights = {n: full64(p) for n, p in model.named_parameters()}
             model.save_pretrained(folder)
             report["written"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
@@ -94,9 +94,16 @@ def _train(dp, cp, tp, cases, tmp):
                 )
                 for n, p in plain.named_parameters():
                     assert torch.equal(p.detach(), weights[n]), n
-            # the writer fails: every rank raises (no rank waits forever)
+            # one rank's write fails (its file's path is taken by a folder): every rank raises,
+            # no rank waits forever; a bad option raises before any communication
+            bad = os.path.join(tmp, "hf-bad")
+            if rank == 1:
+                os.makedirs(os.path.join(bad, "model-00002-of-00004.safetensors"))
+            dist.barrier()
+            exc = _raised(model.save_pretrained, bad)
+            report["failed_save"] = None if exc is None else f"{type(exc).__name__}: {exc}"
             exc = _raised(model.save_pretrained, folder, max_shard_size="x")
-            report["failed_save"] = None if exc is None else type(exc).__name__
+            report["bad_size"] = None if exc is None else type(exc).__name__
         report[kind] = {
             "losses": losses,
             "reduction": parallel_state(model, "hp-models").grad_reduction,
@@ -116,12 +123,12 @@ def _train(dp, cp, tp, cases, tmp):
 )
 def test_data_parallel_trains_like_serial_on_the_global_batch(dp, cp, tp, cases, tmp_path):
     results = run_distributed(_train, dp * cp * tp, dp, cp, tp, cases, str(tmp_path), timeout=450)
-    assert "config.json" in results[0]["written"], results[0]["written"]
-    assert results[0]["failed_save"] is not None
-    for r, rep in enumerate(results):
-        if r:  # only the rank at (0, 0, 0) writes; when it fails, every rank raises
-            assert rep["written"] == [], rep["written"]
-            assert rep["failed_save"] == "RuntimeError", rep["failed_save"]
+    for rep in results:  # every rank writes its share; when one fails, every rank raises
+        assert {"config.json", "model.safetensors.index.json"} <= set(rep["written"]), rep
+        assert sum(f.endswith(".safetensors") for f in rep["written"]) == 4, rep["written"]
+        assert rep["failed_save"].startswith("RuntimeError"), rep["failed_save"]
+        assert "Is a directory" in rep["failed_save"], rep["failed_save"]
+        assert rep["bad_size"] == "ValueError", rep["bad_size"]
         for kind, _ in cases:
             assert rep[kind]["losses"] == results[0][kind]["losses"]
             # each rank runs at most 1/(dp·cp·tp) of the serial forward (Kimi's serial torch KDA

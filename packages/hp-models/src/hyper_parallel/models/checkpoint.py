@@ -38,8 +38,8 @@ from torch import Tensor, nn
 
 from hyper_parallel.dtensor import comm
 from hyper_parallel.models.families import FAMILIES
-from hyper_parallel.models.plan import OWNER, plan_of
 from hyper_parallel.models.hub import model_tensors
+from hyper_parallel.models.plan import OWNER, plan_of
 from hyper_parallel.models.regions import Box, gather_over, mesh_device
 
 __all__ = ["save_pretrained", "save_pretrained_member"]
@@ -58,7 +58,11 @@ def _shard_limit(value: Any) -> int | None:
         return None
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
+    m = (
+        re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if isinstance(value, str)
+        else None
+    )
     if m is None or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
         raise ValueError(f"save_pretrained: max_shard_size {value!r} is not a size")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
@@ -76,9 +80,7 @@ def _gather_json(obj: Any, mesh: Any) -> list[Any]:
     blobs = comm.start_all_gather(
         padded.unsqueeze(0), 0, g, "all_gather:save_keys", "save", OWNER
     ).wait()
-    return [
-        json.loads(bytes(b[: int(n)].cpu().tolist()).decode()) for b, n in zip(blobs, lengths)
-    ]
+    return [json.loads(bytes(b[: int(n)].cpu().tolist()).decode()) for b, n in zip(blobs, lengths)]
 
 
 def _is_experts(t: Tensor) -> bool:
@@ -176,7 +178,7 @@ def _write(model: nn.Module, plan: Any, folder: str, limit: int | None) -> str |
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
         json.dump(index, fh, indent=2, sort_keys=True)
         fh.write("\n")
-    config = model.config
+    config: Any = model.config
     config.architectures = [type(model).__name__.removeprefix("FSDP")]
     config.save_pretrained(folder)
     gen = getattr(model, "generation_config", None)
@@ -211,7 +213,9 @@ def save_pretrained(
                 "sharded checkpoints use torch.distributed.checkpoint (hp-models README)"
             )
     if kwargs.get("safe_serialization", True) is False:
-        raise ValueError("save_pretrained(safe_serialization=False) is not supported: it writes safetensors")
+        raise ValueError(
+            "save_pretrained(safe_serialization=False) is not supported: it writes safetensors"
+        )
     limit = _shard_limit(kwargs.get("max_shard_size"))
     plan = plan_of(model, "save_pretrained")
     failure: BaseException | None = None

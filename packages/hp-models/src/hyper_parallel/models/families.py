@@ -48,7 +48,7 @@ class ModelFamily:
     base: str
     blocks: BlockKinds
     model_type: str = ""  # config.json's ``model_type``
-    hub: HubLayout = HubLayout()  # the checkpoint layout on the hub (per-expert keys, ...)
+    hub: HubLayout = HubLayout()  # noqa: RUF009 (frozen: one shared default is safe)
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -64,10 +64,17 @@ FAMILIES: tuple[ModelFamily, ...] = (
         ),
         model_type="kimi_linear",
         hub=HubLayout(
-            renames=((r"\.mlp\.", ".block_sparse_moe."), (r"\.self_attn\.forget_gate\.", ".self_attn.")),
+            renames=(
+                (r"\.mlp\.", ".block_sparse_moe."),
+                (r"\.self_attn\.forget_gate\.", ".self_attn."),
+            ),
             fused=(
                 Fused("conv1d.weight", ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")),
-                Fused("experts.gate_up_proj", ("experts.{e}.w1.weight", "experts.{e}.w3.weight"), per_expert=True),
+                Fused(
+                    "experts.gate_up_proj",
+                    ("experts.{e}.w1.weight", "experts.{e}.w3.weight"),
+                    per_expert=True,
+                ),
                 Fused("experts.down_proj", ("experts.{e}.w2.weight",), per_expert=True),
             ),
         ),
@@ -85,7 +92,11 @@ FAMILIES: tuple[ModelFamily, ...] = (
         model_type="deepseek_v3",
         hub=HubLayout(
             fused=(
-                Fused("experts.gate_up_proj", ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight"), per_expert=True),
+                Fused(
+                    "experts.gate_up_proj",
+                    ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight"),
+                    per_expert=True,
+                ),
                 Fused("experts.down_proj", ("experts.{e}.down_proj.weight",), per_expert=True),
             ),
         ),
@@ -117,7 +128,11 @@ def family_of_config(config: dict[str, Any]) -> ModelFamily:
     naming the supported ones otherwise."""
     archs = config.get("architectures") or []
     for fam in FAMILIES:
-        if fam.causal_lm in archs or fam.base in archs or config.get("model_type") == fam.model_type:
+        if (
+            fam.causal_lm in archs
+            or fam.base in archs
+            or config.get("model_type") == fam.model_type
+        ):
             return fam
     raise TypeError(
         f"config.json names {archs or config.get('model_type')!r}; hp-models parallelises "

@@ -243,8 +243,8 @@ def parallelize_model(
 def _members(original: type) -> dict[str, Any]:
     """Methods of the parallelised class besides ``forward``: ``generate`` refuses (decoding is
     not split; it raises before any communication) and ``save_pretrained`` writes a plain
-    Hugging Face folder from every rank (:mod:`hyper_parallel.models.checkpoint`). Methods, not instance attributes, so a deep
-    copy's act on the copy."""
+    Hugging Face folder from every rank (:mod:`hyper_parallel.models.checkpoint`). Methods,
+    not instance attributes, so a deep copy's act on the copy."""
     members: dict[str, Any] = {}
     if hasattr(original, "generate"):
 

@@ -73,7 +73,7 @@ def _parameters_on_meta() -> Iterator[None]:
             kind = type(param)
             module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -127,9 +127,9 @@ def _fill(folder: HubFolder, fam: ModelFamily, model: nn.Module) -> None:
                 ]
                 if any(h <= low for low, h in zip(lo, hi)):
                     continue
-                src = tuple(
-                    slice(low - o, h - o) for low, h, o in zip(lo, hi, piece.box.offset)
-                )[piece.lead :]
+                src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, piece.box.offset))[
+                    piece.lead :
+                ]
                 dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, box.offset))
                 data = folder.read(piece.key, src, local.dtype)
                 local[dst] = data.reshape(local[dst].shape).to(local.device)
@@ -137,19 +137,16 @@ def _fill(folder: HubFolder, fam: ModelFamily, model: nn.Module) -> None:
 
 def _materialise(model: nn.Module, device: torch.device) -> None:
     """Allocate the meta parameters (each rank's own shards) on ``device``; buffers keep their
-    values."""
+    values and tied parameters stay one parameter (``to_empty`` would untie them)."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    tied = {
-        name: src
-        for name, src in _tied(model).items()
-    }
+    tied = _tied(model)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-    for name, src in tied.items():
+    for name, first in tied.items():
         owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner), attr, model.get_parameter(src))
+        setattr(model.get_submodule(owner), attr, model.get_parameter(first))
 
 
 def _tied(model: nn.Module) -> dict[str, str]:
@@ -203,7 +200,10 @@ def from_pretrained(
         folder,
         fam,
         dtype,
-        {"attn_implementation": attn_implementation, "experts_implementation": experts_implementation},
+        {
+            "attn_implementation": attn_implementation,
+            "experts_implementation": experts_implementation,
+        },
     )
     _check_folder(folder, fam, model)
     parallelize_model(model, mesh, ep=ep, **kwargs)

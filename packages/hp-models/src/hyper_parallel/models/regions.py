@@ -64,7 +64,9 @@ def _shard_dim(placement: Any) -> int | None:
 
 def _split_order(placements: Sequence[Any], skip: frozenset[int]) -> list[int]:
     """Mesh dims that split the tensor, in the order their splits apply."""
-    plain = [i for i, p in enumerate(placements) if _shard_dim(p) is not None and not _is_strided(p)]
+    plain = [
+        i for i, p in enumerate(placements) if _shard_dim(p) is not None and not _is_strided(p)
+    ]
     strided = [i for i, p in enumerate(placements) if _shard_dim(p) is not None and _is_strided(p)]
     return [i for i in plain + strided if i not in skip]
 
