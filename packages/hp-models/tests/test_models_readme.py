@@ -28,3 +28,10 @@ def test_readme_packed_documents_example_runs():
     index = _block_index("OFFSETS = [0, 5, 6, 11, 16]")
     out = run_markdown_example(README, index, timeout=560)
     assert "each document alone:" in out
+
+
+@pytest.mark.timeout(300)
+def test_readme_from_pretrained_example_runs():
+    index = _block_index("model = from_pretrained(folder, mesh, ep=4, **LOAD)")
+    out = run_markdown_example(README, index, timeout=280).splitlines()
+    assert out == [f"{r} True True True" for r in range(4)]
