@@ -58,3 +58,38 @@ def kda_layer(seed: int = 0, **config: Any) -> torch.nn.Module:
     layer = kimi().KimiLinearDeltaAttention(tiny_config(**config), layer_idx=0).double()
     init_kda_weights(layer, seed)
     return layer
+
+
+# Gated DeltaNet (Qwen3-Next; Qwen3.5 has the same math with split projections)
+QWEN3_NEXT = "transformers.models.qwen3_next.modeling_qwen3_next"
+QWEN3_5 = "transformers.models.qwen3_5.modeling_qwen3_5"
+
+
+def gdn_config(
+    kind: str = "next", hidden: int = 32, k_heads: int = 2, v_heads: int = 4, conv: int = 4
+) -> Any:
+    """A tiny Qwen3-Next (``kind="next"``) or Qwen3.5 text config with one linear layer:
+    grouped value heads (``v_heads`` a multiple of ``k_heads``), head dims 8."""
+    from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+
+    cls = Qwen3NextConfig if kind == "next" else Qwen3_5TextConfig
+    return cls(
+        vocab_size=64, hidden_size=hidden, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=conv, layer_types=["linear_attention"],
+    )  # fmt: skip
+
+
+def gdn_layer(kind: str = "next", seed: int = 0, **config: Any) -> torch.nn.Module:
+    """A float64 stock ``Qwen3NextGatedDeltaNet`` (``kind="next"``) or ``Qwen3_5GatedDeltaNet``
+    (``"3.5"``) on its PyTorch path, deterministic weights (slow decay: the state carries
+    across blocks)."""
+    module = import_torch_path(QWEN3_NEXT if kind == "next" else QWEN3_5)
+    cls = module.Qwen3NextGatedDeltaNet if kind == "next" else module.Qwen3_5GatedDeltaNet
+    layer = cls(gdn_config(kind, **config), layer_idx=0).double()
+    init_kda_weights(layer, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        layer.norm.weight.copy_(1.0 + 0.1 * torch.randn(layer.norm.weight.shape, generator=gen))
+    return layer

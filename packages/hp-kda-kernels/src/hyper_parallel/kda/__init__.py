@@ -1,15 +1,26 @@
-"""hp-kda-kernels: context parallelism for KDA (Kimi Delta Attention).
+"""hp-kda-kernels: context parallelism for the gated delta-rule family: KDA (Kimi Delta
+Attention) and Gated DeltaNet.
 
 Each context-parallel rank holds a contiguous chunk of the sequence; only the recurrent state
 crosses ranks, as affine summaries ``h_out = M h_in + S``. See ``kda_context_parallel``;
 ``parallelize_kda`` wires a stock Hugging Face Kimi-Linear KDA layer (short-convolution halo
-via ``causal_conv_halo``, gates and norms local, the recurrence through the state exchange).
+via ``causal_conv_halo``, gates and norms local, the recurrence through the state exchange);
+``gated_deltanet_context_parallel`` and ``parallelize_gated_deltanet`` do the same for Gated
+DeltaNet (Qwen3-Next, Qwen3.5): KDA with its per-head gate broadcast along the key channels.
 """
 
 from ._version import __version__
 from .chunk import chunk_kda, state_summary
 from .cost import DEFAULT_COST_PARAMS, CostParams, ProtocolChoice, choose_protocol
 from .exchange import PROTOCOLS, PendingExchange, StateExchange, build_state_exchange
+from .gated_deltanet import (
+    SUPPORTED_GDN_CLASSES,
+    ContextParallelGatedDeltaNet,
+    gated_deltanet_context_parallel,
+    is_gated_deltanet_parallel,
+    parallelize_gated_deltanet,
+    unparallelize_gated_deltanet,
+)
 from .halo import PendingHalo, causal_conv_halo, start_causal_conv_halo
 from .layer import kda_context_parallel
 from .merge import KERNELS, affine_merge, affine_scan, choose_backend, choose_kernel
@@ -27,8 +38,10 @@ __all__ = [
     "DEFAULT_COST_PARAMS",
     "KERNELS",
     "PROTOCOLS",
+    "SUPPORTED_GDN_CLASSES",
     "SUPPORTED_KDA_CLASSES",
     "is_kda_parallel",
+    "ContextParallelGatedDeltaNet",
     "ContextParallelKDA",
     "PackedBlock",
     "PendingExchange",
@@ -45,12 +58,16 @@ __all__ = [
     "choose_kernel",
     "choose_protocol",
     "chunk_kda",
+    "gated_deltanet_context_parallel",
+    "is_gated_deltanet_parallel",
     "kda_context_parallel",
     "naive_recurrent_kda",
     "naive_state_summary",
     "packed_block",
+    "parallelize_gated_deltanet",
     "parallelize_kda",
     "start_causal_conv_halo",
     "state_summary",
+    "unparallelize_gated_deltanet",
     "unparallelize_kda",
 ]

@@ -95,35 +95,69 @@ class _KDAState:
     executor: StateExchange  # the state exchange every forward runs (and its backward)
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + _L2_EPS)
 
 
 def _check_call(
-    module: Any, hidden_states: Any, cache_params: Any, attention_mask: Any, kwargs: dict
+    module: Any,
+    hidden_states: Any,
+    cache_params: Any,
+    attention_mask: Any,
+    kwargs: dict,
+    what: str = "parallelize_kda",
+    model: str = "KimiLinearModel",
+    rejected: tuple[str, ...] = ("seq_idx",),
 ) -> None:
-    """Everything a forward call can get wrong, before any communication."""
+    """Everything a forward call can get wrong, before any communication (``what``: the
+    rewrite, ``model``: the stock model that drops an all-ones mask, ``rejected``: the
+    document keywords refused)."""
     if cache_params is not None:
         raise ValueError(
-            "parallelize_kda: cache_params (a generation cache) is not supported under context "
+            f"{what}: cache_params (a generation cache) is not supported under context "
             "parallelism (training only); run the model with use_cache=False"
         )
     if attention_mask is not None:
         raise ValueError(
-            "parallelize_kda: an attention_mask (padding) is not supported under context "
-            "parallelism; pass none (KimiLinearModel turns an all-ones mask into None)"
+            f"{what}: an attention_mask (padding) is not supported under context "
+            f"parallelism; pass none ({model} turns an all-ones mask into None)"
         )
-    if kwargs.get("seq_idx") is not None:
-        raise ValueError(
-            "parallelize_kda: seq_idx is not supported; pass the documents as cu_seqlens"
-        )
+    for name in rejected:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{what}: {name} is not supported; pass the documents' global offsets as "
+                "cu_seqlens (or a sequence_context)"
+            )
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-        raise ValueError("parallelize_kda: hidden_states must be this rank's block [B, T_r, D]")
+        raise ValueError(f"{what}: hidden_states must be this rank's block [B, T_r, D]")
     if hidden_states.shape[-1] != module.hidden_size:
         raise ValueError(
-            f"parallelize_kda: hidden_states has {hidden_states.shape[-1]} features, the layer "
+            f"{what}: hidden_states has {hidden_states.shape[-1]} features, the layer "
             f"expects {module.hidden_size}"
         )
+
+
+def conv_block(
+    pending: Any,
+    mixed: torch.Tensor,
+    conv1d: Any,
+    packed: Any,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The stock depthwise causal convolution of this rank's pre-convolution rows ``mixed
+    [B, T_r, C]`` and its activation, in ``mixed``'s dtype ``[B, T_r, C]``: the halo's rows
+    (``pending``, :func:`start_causal_conv_halo`) in front, no padding; with packed
+    documents no tap reads a row of an earlier document (:func:`document_conv`)."""
+    T = mixed.shape[1]
+    rows = torch.cat([pending.wait(), mixed], dim=1).transpose(1, 2)  # [B, C, W-1+T]
+    weight = conv1d.weight  # [C, 1, W]
+    if T and packed is not None:
+        conv = document_conv(rows.to(weight.dtype), weight, conv1d.bias, packed)
+    elif T:
+        conv = F.conv1d(rows.to(weight.dtype), weight, conv1d.bias, groups=weight.shape[0])
+    else:  # no outputs, but still tied to the halo: its backward must run on this rank too
+        conv = rows[..., :0].to(weight.dtype)
+    return activation(conv).to(mixed.dtype).transpose(1, 2)
 
 
 def _cp_forward(
@@ -150,17 +184,9 @@ def _cp_forward(
         g = self.forget_gate(x.new_zeros(B, 1, x.shape[-1]))[:, :0]
     beta = torch.sigmoid(self.b_proj(x))
     gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
-    rows = torch.cat([pending.wait(), mixed], dim=1).transpose(1, 2)  # [B, C, W-1+T]
-    weight = self.conv1d.weight  # [C, 1, W]
-    if T and packed is not None:
-        conv = document_conv(rows.to(weight.dtype), weight, self.conv1d.bias, packed)
-    elif T:
-        conv = F.conv1d(rows.to(weight.dtype), weight, self.conv1d.bias, groups=weight.shape[0])
-    else:  # no outputs, but still tied to the halo: its backward must run on this rank too
-        conv = rows[..., :0].to(weight.dtype)
-    conv = state.activation(conv).to(mixed.dtype).transpose(1, 2)
+    conv = conv_block(pending, mixed, self.conv1d, packed, state.activation)
     q, k, v = (t.reshape(heads) for t in conv.split(self.num_heads * self.head_dim, dim=-1))
-    q, k = _l2norm(q.float()), _l2norm(k.float())
+    q, k = l2norm(q.float()), l2norm(k.float())
     ex = state.executor
     check_inputs(q, k, v, g, beta, None, _CHUNK, ex.kernel, state.mesh)
     o, _ = run_with_executor(q, k, v, g, beta, ex, chunk_size=_CHUNK, packed=packed)
@@ -186,21 +212,31 @@ def _make_forward(cls: type) -> Callable[..., torch.Tensor]:
     return forward
 
 
-def _validate(
-    layer: nn.Module, cp_mesh: Any, protocol: Any, kernel: Any
+def check_rewrite(
+    layer: nn.Module,
+    cp_mesh: Any,
+    protocol: Any,
+    kernel: Any,
+    *,
+    what: str,
+    layer_name: str,
+    classes: tuple[str, ...],
+    attributes: tuple[str, ...],
+    dims: Callable[[Any], tuple[int, int, int]],
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Every check of :func:`parallelize_kda` (before any communication); the activation."""
+    """The checks every layer rewrite makes before any communication (``what``: the rewrite's
+    name, installed as ``layer_name``; ``classes``/``attributes``: the modules it accepts;
+    ``dims(module)``: the conv channels and the recurrence's ``K``, ``V``); its activation."""
     module: Any = layer  # attributes checked below, by name
-    if is_parallelized(module, LAYER):
-        raise RuntimeError(
-            "parallelize_kda was already applied to this module; call unparallelize_kda first"
-        )
+    if is_parallelized(module, layer_name):
+        undo = what.replace("parallelize_", "unparallelize_", 1)
+        raise RuntimeError(f"{what} was already applied to this module; call {undo} first")
     name = type(module).__name__
-    missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
-    if not isinstance(layer, nn.Module) or name not in SUPPORTED_KDA_CLASSES or missing:
+    missing = [a for a in attributes if not hasattr(module, a)]
+    if not isinstance(layer, nn.Module) or name not in classes or missing:
         raise TypeError(
-            f"parallelize_kda supports {', '.join(SUPPORTED_KDA_CLASSES)} (Hugging Face "
-            f"transformers), got {name}" + (f" without {missing}" if missing else "")
+            f"{what} supports {', '.join(classes)} (Hugging Face transformers), got {name}"
+            + (f" without {missing}" if missing else "")
         )
     from hyper_parallel.dtensor import DeviceMesh
 
@@ -212,19 +248,30 @@ def _validate(
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
-    if kernel == "triton" and (why := check_kernel_dims(module.head_dim, module.head_dim)):
-        raise ValueError(f"parallelize_kda: kernel 'triton' does not support these dims: {why}")
+    channels, K, V = dims(module)
+    if kernel == "triton" and (why := check_kernel_dims(K, V)):
+        raise ValueError(f"{what}: kernel 'triton' does not support these dims: {why}")
     if module.activation not in _ACTIVATIONS:
         known = sorted(str(a) for a in _ACTIVATIONS if a is not None)
-        raise ValueError(f"parallelize_kda: activation {module.activation!r} not in {known}")
+        raise ValueError(f"{what}: activation {module.activation!r} not in {known}")
     weight = module.conv1d.weight
-    channels = 3 * module.num_heads * module.head_dim
     if tuple(weight.shape) != (channels, 1, module.conv_kernel_size):
         raise ValueError(
-            f"parallelize_kda: conv1d weight {tuple(weight.shape)} is not the depthwise "
+            f"{what}: conv1d weight {tuple(weight.shape)} is not the depthwise "
             f"[{channels}, 1, {module.conv_kernel_size}] of q/k/v"
         )
     return _ACTIVATIONS[module.activation]
+
+
+def _validate(
+    layer: nn.Module, cp_mesh: Any, protocol: Any, kernel: Any
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Every check of :func:`parallelize_kda` (before any communication); the activation."""
+    return check_rewrite(
+        layer, cp_mesh, protocol, kernel, what="parallelize_kda", layer_name=LAYER,
+        classes=SUPPORTED_KDA_CLASSES, attributes=_ATTRIBUTES,
+        dims=lambda m: (3 * m.num_heads * m.head_dim, m.head_dim, m.head_dim),
+    )  # fmt: skip
 
 
 @accepts_backend("parallelize_kda")
