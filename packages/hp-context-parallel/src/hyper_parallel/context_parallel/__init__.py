@@ -1,9 +1,12 @@
-"""hyper_parallel.context_parallel: Ulysses context parallelism for multi-head latent attention.
+"""hyper_parallel.context_parallel: Ulysses context parallelism for MLA and grouped-query
+attention.
 
 Collectives (``ulysses_seq_to_head`` ...), hybrid Ulysses × all-gather attention, the serial
 DeepSeek MLA block, ``parallelize_mla`` (expanded or latent strategy, overlapped or blocking;
 for this package's block and the stock Hugging Face ``DeepseekV3Attention`` and
-``KimiLinearAttention``) and an event recorder with Chrome-trace export.
+``KimiLinearAttention``), ``parallelize_attention`` (the stock ``Qwen3NextAttention``,
+``Qwen3Attention`` and ``LlamaAttention``, key/value heads fewer than ranks included) and an
+event recorder with Chrome-trace export.
 """
 
 from hyper_parallel.context_parallel._version import __version__
@@ -18,8 +21,14 @@ from hyper_parallel.context_parallel.collectives import (
     ulysses_seq_to_head,
 )
 from hyper_parallel.context_parallel.families import SUPPORTED_MLA_CLASSES
+from hyper_parallel.context_parallel.gqa import SUPPORTED_ATTENTION_CLASSES
 from hyper_parallel.context_parallel.hybrid import hybrid_attention, hybrid_meshes
 from hyper_parallel.context_parallel.mla import MLAConfig, MultiHeadLatentAttention
+from hyper_parallel.context_parallel.parallel_attention import (
+    attention_head_groups,
+    parallelize_attention,
+    unparallelize_attention,
+)
 from hyper_parallel.context_parallel.parallel_mla import (
     STRATEGIES,
     ContextParallelMLA,
@@ -37,6 +46,7 @@ from hyper_parallel.context_parallel.recorder import (
 
 __all__ = [
     "STRATEGIES",
+    "SUPPORTED_ATTENTION_CLASSES",
     "SUPPORTED_MLA_CLASSES",
     "CollectiveHandle",
     "ContextParallelMLA",
@@ -45,6 +55,7 @@ __all__ = [
     "MLAConfig",
     "MultiHeadLatentAttention",
     "__version__",
+    "attention_head_groups",
     "current_recorder",
     "hybrid_attention",
     "hybrid_meshes",
@@ -53,11 +64,13 @@ __all__ = [
     "launch_head_to_seq",
     "launch_seq_to_head",
     "mla_head_groups",
+    "parallelize_attention",
     "parallelize_mla",
     "pending_collectives",
     "record_events",
     "shard_sequence",
     "ulysses_head_to_seq",
     "ulysses_seq_to_head",
+    "unparallelize_attention",
     "unparallelize_mla",
 ]

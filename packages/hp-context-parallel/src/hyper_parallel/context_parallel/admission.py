@@ -1,4 +1,5 @@
-"""Admission of one call of a context-parallel MLA forward: checked before the schedule.
+"""Admission of one call of a context-parallel attention forward (MLA, or grouped-query
+attention): checked before the schedule.
 
 Every check that can reject a call runs before the first collective of the schedule, on each
 rank, on its own call, without communicating (consistency mode off, the default): ``hidden_states``
@@ -60,8 +61,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hyper_parallel.context_parallel.families import MLACall, MLAFamily
-from hyper_parallel.context_parallel.mla import MLAConfig
+from hyper_parallel.context_parallel.families import AttentionFamily, MLACall
 from hyper_parallel.context_parallel.transport import BLOCK_OWNER, Group, leak_message, leaked_by
 from hyper_parallel.dtensor import (
     SequenceContext,
@@ -111,8 +111,8 @@ class Admission:
 
 def admit(
     module: Any,
-    family: MLAFamily,
-    dims: MLAConfig,
+    family: AttentionFamily,
+    dims: Any,
     call: MLACall,
     group: Group,
     options: dict[str, Any],
@@ -149,8 +149,8 @@ def table_problem(tables: dict[str, Any], b: int, s_full: int) -> tuple[str | No
 
 def check_call_consistent(
     module: Any,
-    family: MLAFamily,
-    dims: MLAConfig,
+    family: AttentionFamily,
+    dims: Any,
     call: MLACall,
     pg: Any,
     options: dict[str, Any],
@@ -199,7 +199,7 @@ def check_call_consistent(
 
 
 def _judge(
-    module: Any, family: MLAFamily, c: MLAConfig, call: MLACall, group: Group
+    module: Any, family: AttentionFamily, c: Any, call: MLACall, group: Group
 ) -> tuple[Exception | None, SequenceContext | None]:
     """This rank's verdict on its own call, without communicating: ``(None, context)`` if
     admitted (``context``: the caller's sequence context, one built from its table, or None),
@@ -207,7 +207,7 @@ def _judge(
     size, rank = group.size, group.rank
     leaked = leaked_by(BLOCK_OWNER)
     if leaked:
-        return RuntimeError(leak_message("context-parallel MLA forward", leaked)), None
+        return RuntimeError(leak_message(f"context-parallel {family.what} forward", leaked)), None
     x = call.hidden_states
     if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != c.hidden_size:
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -224,11 +224,11 @@ def _judge(
     if problem is not None:
         return ValueError(problem), None
     if family.rope_source == "caller":
-        problem = _rope_problem(call.position_embeddings, x, c)
+        problem = _rope_problem(call.position_embeddings, x, family.rope_width(c))
         if problem is not None:
             return ValueError(problem), None
     try:
-        context = _context(call, group, x)
+        context = _context(call, group, x, family.what)
     except ValueError as exc:
         return exc, None
     p = family.dropout(module)
@@ -240,7 +240,7 @@ def _judge(
     return None, context
 
 
-def _context(call: MLACall, group: Group, x: Tensor) -> SequenceContext | None:
+def _context(call: MLACall, group: Group, x: Tensor, what: str) -> SequenceContext | None:
     """The call's sequence context: the caller's (checked against the block: equal blocks of
     this group, no table besides), or one built from its table(s) (validated; several must be
     equal), or None. ``ValueError`` for a bad table or context."""
@@ -257,10 +257,10 @@ def _context(call: MLACall, group: Group, x: Tensor) -> SequenceContext | None:
             raise ValueError(
                 f"give the documents either as {' / '.join(tables)} or in {_CONTEXT_KEY}, not both"
             )
-        given.check_block(group.size, group.rank, s, "context-parallel MLA forward")
+        given.check_block(group.size, group.rank, s, f"context-parallel {what} forward")
         if any(n != s for n in given.lengths):
             raise ValueError(
-                f"context-parallel MLA needs equal blocks of S/P tokens, but the sequence "
+                f"context-parallel {what} needs equal blocks of S/P tokens, but the sequence "
                 f"context's blocks are {list(given.lengths)}"
             )
         if given.packed and b != 1:
@@ -279,8 +279,8 @@ def _context(call: MLACall, group: Group, x: Tensor) -> SequenceContext | None:
     return context
 
 
-def _rope_problem(pe: Any, x: Tensor, c: MLAConfig) -> str | None:
-    b, s, dr = x.shape[0], x.shape[1], c.qk_rope_head_dim
+def _rope_problem(pe: Any, x: Tensor, dr: int) -> str | None:
+    b, s = x.shape[0], x.shape[1]
     ok = (
         isinstance(pe, (tuple, list))
         and len(pe) == 2

@@ -1,4 +1,7 @@
-"""MLA module families: one small adapter per family feeding the one context-parallel schedule.
+"""Attention module families: one small adapter per family feeding the one context-parallel
+schedule. :class:`AttentionFamily` is the interface admission and the pipeline read; the MLA
+families are below, the grouped-query ones (``LlamaAttention``, ``Qwen3Attention``,
+``Qwen3NextAttention``) in :mod:`~hyper_parallel.context_parallel.gqa`.
 
 An adapter says, for one family of attention modules, how to recognise it (class name in its
 MRO plus the DeepSeek attribute names, so ``transformers`` is never imported), its sizes (an
@@ -29,8 +32,10 @@ from hyper_parallel.context_parallel.mla import MLAConfig, MultiHeadLatentAttent
 
 __all__ = [
     "FAMILIES",
+    "AttentionFamily",
     "SUPPORTED_MLA_CLASSES",
     "MLACall",
+    "caller_rope_forward",
     "MLAFamily",
     "find_family",
     "supported_classes",
@@ -64,15 +69,74 @@ class MLACall:
 Run = Callable[[nn.Module, MLACall], Tensor]  # the schedule: (module, call) -> [B, S/P, D]
 
 
-class MLAFamily:
-    """Base adapter. Subclasses set ``class_name`` and implement the hooks."""
+class AttentionFamily:
+    """Base adapter of every attention family the rewrites take (MLA here; grouped-query
+    attention in :mod:`~hyper_parallel.context_parallel.gqa`). Subclasses set ``class_name``
+    and implement the hooks; admission and the pipeline read only these."""
 
     class_name: str = ""
     rope_source: str = ""  # "positions" | "caller" | "none" (documentation and errors)
+    what: str = "MLA"  # how errors name the forward ("context-parallel MLA forward")
+
+    def has_class(self, module: Any) -> bool:
+        return self.class_name in {c.__name__ for c in type(module).__mro__}
 
     def matches(self, module: Any) -> bool:
-        names = {c.__name__ for c in type(module).__mro__}
-        return self.class_name in names and all(hasattr(module, a) for a in _PROJECTIONS)
+        raise NotImplementedError
+
+    def dims(self, module: Any) -> Any:
+        """The family's sizes (``num_heads`` and ``hidden_size`` at least)."""
+        raise NotImplementedError
+
+    def rope_width(self, dims: Any) -> int:
+        """The last dim of the caller's ``(cos, sin)`` tables (``rope_source == "caller"``)."""
+        raise NotImplementedError
+
+    def scale(self, module: Any) -> float:
+        return float(module.scaling)
+
+    def rope(self, module: Any, call: MLACall, offset: int, dims: Any) -> Rope | None:
+        """The RoPE of this rank's tokens (``offset``: the global position of its first)."""
+        raise NotImplementedError
+
+    def dropout(self, module: Any) -> float:
+        """The attention dropout probability in effect (0 in eval mode)."""
+        p = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+        return p if module.training else 0.0
+
+    def forward(self, run: Run) -> Callable[..., Any]:
+        """The rewritten class's ``forward``, with the family's signature."""
+        raise NotImplementedError
+
+
+def caller_rope_forward(run: Run) -> Callable[..., Any]:
+    """The forward of the Hugging Face attention modules that take the caller's RoPE tables
+    (``DeepseekV3Attention``, ``LlamaAttention``, ``Qwen3Attention``, ``Qwen3NextAttention``):
+    ``forward(hidden_states, position_embeddings, attention_mask, past_key_values=None,
+    **kwargs) -> (output, None)``."""
+
+    def forward(
+        self: nn.Module,
+        hidden_states: Tensor,
+        position_embeddings: tuple[Tensor, Tensor],
+        attention_mask: Tensor | None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, None]:
+        call = MLACall(hidden_states, attention_mask, past_key_values, position_embeddings, kwargs)
+        return run(self, call), None
+
+    return forward
+
+
+class MLAFamily(AttentionFamily):
+    """Base adapter of the MLA families."""
+
+    def matches(self, module: Any) -> bool:
+        return self.has_class(module) and all(hasattr(module, a) for a in _PROJECTIONS)
+
+    def rope_width(self, dims: Any) -> int:
+        return int(dims.qk_rope_head_dim)
 
     def dims(self, module: Any) -> MLAConfig:
         q_lora = module.q_lora_rank
@@ -85,22 +149,6 @@ class MLAFamily:
             qk_rope_head_dim=module.qk_rope_head_dim,
             v_head_dim=module.v_head_dim,
         )
-
-    def scale(self, module: Any) -> float:
-        return float(module.scaling)
-
-    def rope(self, module: Any, call: MLACall, offset: int, dims: MLAConfig) -> Rope | None:
-        """The RoPE of this rank's tokens (``offset``: the global position of its first)."""
-        raise NotImplementedError
-
-    def dropout(self, module: Any) -> float:
-        """The attention dropout probability in effect (0 in eval mode)."""
-        p = float(getattr(module, "attention_dropout", 0.0) or 0.0)
-        return p if module.training else 0.0
-
-    def forward(self, run: Run) -> Callable[..., Any]:
-        """The rewritten class's ``forward``, with the family's signature."""
-        raise NotImplementedError
 
 
 class _OwnMLA(MLAFamily):
@@ -139,20 +187,7 @@ class _DeepseekV3(MLAFamily):
         return Rope(cos, sin, bool(getattr(module.config, "rope_interleave", False)))
 
     def forward(self, run: Run) -> Callable[..., Any]:
-        def forward(
-            self: nn.Module,
-            hidden_states: Tensor,
-            position_embeddings: tuple[Tensor, Tensor],
-            attention_mask: Tensor | None,
-            past_key_values: Any = None,
-            **kwargs: Any,
-        ) -> tuple[Tensor, None]:
-            call = MLACall(
-                hidden_states, attention_mask, past_key_values, position_embeddings, kwargs
-            )
-            return run(self, call), None
-
-        return forward
+        return caller_rope_forward(run)
 
 
 class _KimiLinear(MLAFamily):

@@ -144,11 +144,13 @@ class WaitLinearGroups(Function):
     """:class:`WaitLinear` over G ≥ 1 head groups: wait the G head→seq exchanges of the
     attention output (``exs[g]`` carries group g, ``[B, S/P, P·hg, dv]``), put the heads back in
     order (:func:`~hyper_parallel.context_parallel.head_groups.merge_heads`; G = 1: as it
-    came), then ``o_proj``.
+    came), then ``o_proj``; with an output ``gate`` (``[B, S/P, H·dv]``, this rank's tokens;
+    Qwen3-Next's gated attention) ``o_proj`` takes ``o · sigmoid(gate)``.
 
-    Backward: the input-grad matmul, then the G gradient exchanges started last group first
-    (the order in which autograd's backward of the groups needs them), then the weight-grad
-    matmul while they are in flight.
+    Backward: the input-grad matmul (and, gated, the product with ``sigmoid(gate)``), then the
+    G gradient exchanges started last group first (the order in which autograd's backward of
+    the groups needs them), then the gate's gradient and the weight-grad matmul while they
+    are in flight.
     """
 
     @staticmethod
@@ -156,6 +158,7 @@ class WaitLinearGroups(Function):
         ctx: Any,
         weight: Tensor,
         bias: Tensor | None,
+        gate: Tensor | None,
         exs: tuple[Exchange, ...],
         cp_size: int,
         *tokens: Tensor,
@@ -163,30 +166,39 @@ class WaitLinearGroups(Function):
         parts = [ex.finish() for ex in exs]
         a = parts[0] if len(parts) == 1 else merge_heads(parts, cp_size)  # one group: no copy
         ctx.a_dtype = a.dtype
+        ctx.gate_dtype = None if gate is None else gate.dtype
         with span("o_proj", "forward"):
-            a, weight, bias = cast_for_autocast(a.device.type, a.flatten(2), weight, bias)
+            a, weight, bias, gate = cast_for_autocast(
+                a.device.type, a.flatten(2), weight, bias, gate
+            )
             with autocast_off(a.device.type):
-                y = F.linear(a, weight, bias)
+                sg = None if gate is None else torch.sigmoid(gate)
+                y = F.linear(a if sg is None else a * sg, weight, bias)
         ctx.exs, ctx.has_bias, ctx.part_shape = exs, bias is not None, parts[0].shape
         ctx.cp_size = cp_size
-        ctx.save_for_backward(a, weight)
+        ctx.save_for_backward(a, weight, sg)
         return y
 
     @staticmethod
     @without_autocast
     def backward(ctx: Any, dy: Tensor) -> Any:  # type: ignore[override]
-        a, weight = ctx.saved_tensors
+        a, weight, sg = ctx.saved_tensors
         exs, (b, s, phg, dv), p = ctx.exs, ctx.part_shape, ctx.cp_size
         groups = len(exs)
         dy = dy.to(a.dtype)
         with span("o_proj.input_grad", "backward"):
-            da = (dy @ weight).to(ctx.a_dtype).view(b, s, p, groups, phg // p, dv)
+            dz = dy @ weight  # the gradient of o_proj's input
+            da = dz if sg is None else dz * sg
+            da = da.to(ctx.a_dtype).view(b, s, p, groups, phg // p, dv)
         for g in reversed(range(groups)):
             exs[g].start_grad(da[:, :, :, g].reshape(b, s, phg, dv))
-        dw = db = None
+        dw = db = dgate = None
         with span("o_proj.weight_grad", "backward"):
+            z = a if sg is None else a * sg
+            if sg is not None and ctx.needs_input_grad[2]:
+                dgate = (dz * a * sg * (1 - sg)).to(ctx.gate_dtype)
             if ctx.needs_input_grad[0]:
-                dw = dy.flatten(0, 1).t() @ a.flatten(0, 1)
+                dw = dy.flatten(0, 1).t() @ z.flatten(0, 1)
             if ctx.has_bias and ctx.needs_input_grad[1]:
                 db = dy.flatten(0, 1).sum(0)
-        return (dw, db, None, None, *(dy.new_empty(0) for _ in exs))
+        return (dw, db, dgate, None, None, *(dy.new_empty(0) for _ in exs))

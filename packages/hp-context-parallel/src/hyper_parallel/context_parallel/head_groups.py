@@ -26,6 +26,7 @@ __all__ = [
     "AUTO_MIN_GROUP_BYTES",
     "AUTO_MIN_GROUP_BYTES_ACCELERATOR",
     "HeadGroups",
+    "check_head_groups",
     "choose_head_groups",
     "merge_heads",
     "split_heads",
@@ -108,3 +109,21 @@ def merge_heads(parts: list[Tensor] | tuple[Tensor, ...], cp_size: int) -> Tenso
     hg = phg // cp_size
     stacked = torch.stack([p.view(b, s, cp_size, hg, d) for p in parts], dim=3)
     return stacked.view(b, s, cp_size * len(parts) * hg, d)
+
+
+def check_head_groups(head_groups: object, heads_per_rank: int, overlap: bool) -> None:
+    """``ValueError`` unless ``head_groups`` is ``"auto"`` or a positive int dividing
+    ``heads_per_rank`` (above 1 only with ``overlap``); the rewrites' argument check."""
+    if head_groups == "auto" and isinstance(head_groups, str):
+        return
+    if not isinstance(head_groups, int) or isinstance(head_groups, bool) or head_groups < 1:
+        raise ValueError(f"head_groups must be 'auto' or a positive int, got {head_groups!r}")
+    if heads_per_rank % head_groups:
+        raise ValueError(
+            f"head_groups={head_groups} does not divide the {heads_per_rank} heads per rank "
+            "(num_heads / CP size)"
+        )
+    if head_groups > 1 and not overlap:
+        raise ValueError(
+            f"head_groups={head_groups} pipelines overlapped exchanges; it needs overlap=True"
+        )

@@ -27,7 +27,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyper_parallel.context_parallel.admission import admit
 from hyper_parallel.context_parallel.families import MLACall, MLAFamily, find_family
-from hyper_parallel.context_parallel.head_groups import HeadGroups, choose_head_groups
+from hyper_parallel.context_parallel.head_groups import (
+    HeadGroups,
+    check_head_groups,
+    choose_head_groups,
+)
 from hyper_parallel.context_parallel.mla import MLAConfig
 from hyper_parallel.context_parallel.pipeline import Pipeline, run_pipeline
 from hyper_parallel.context_parallel.strategies import STRATEGY_CLASSES
@@ -52,6 +56,7 @@ __all__ = [
 STRATEGIES = tuple(STRATEGY_CLASSES)  # ("expanded", "latent"): strategies.py is the registry
 _M = TypeVar("_M", bound=nn.Module)
 LAYER = "parallelize_mla"  # the name this rewrite is installed under (hp-dtensor's rewrite)
+ATTENTION_LAYER = "parallelize_attention"  # parallel_attention.py's (grouped-query attention)
 
 
 @dataclass(frozen=True)
@@ -153,24 +158,8 @@ def _validate(module: Any, cp_mesh: Any, strategy: Any, overlap: Any, head_group
     _check_weights(module, dims)
     if dims.num_heads % g.size:
         raise ValueError(f"num_heads ({dims.num_heads}) is not divisible by the CP size {g.size}")
-    _check_head_groups(head_groups, dims.num_heads // g.size, overlap)
+    check_head_groups(head_groups, dims.num_heads // g.size, overlap)
     return _CPState(cp_mesh, g, strategy, overlap, family, dims, head_groups)
-
-
-def _check_head_groups(head_groups: Any, heads_per_rank: int, overlap: bool) -> None:
-    if head_groups == "auto" and isinstance(head_groups, str):
-        return
-    if not isinstance(head_groups, int) or isinstance(head_groups, bool) or head_groups < 1:
-        raise ValueError(f"head_groups must be 'auto' or a positive int, got {head_groups!r}")
-    if heads_per_rank % head_groups:
-        raise ValueError(
-            f"head_groups={head_groups} does not divide the {heads_per_rank} heads per rank "
-            "(num_heads / CP size)"
-        )
-    if head_groups > 1 and not overlap:
-        raise ValueError(
-            f"head_groups={head_groups} pipelines overlapped exchanges; it needs overlap=True"
-        )
 
 
 def parallelize_mla(
@@ -261,7 +250,9 @@ def unparallelize_mla(module: _M) -> _M:
 
 
 def is_context_parallel(module: nn.Module) -> bool:
-    return is_parallelized(module, LAYER)
+    """Whether ``module`` is rewritten by :func:`parallelize_mla` or
+    :func:`~hyper_parallel.context_parallel.parallelize_attention`."""
+    return is_parallelized(module, LAYER) or is_parallelized(module, ATTENTION_LAYER)
 
 
 def mla_head_groups(module: nn.Module, hidden_states: Tensor) -> HeadGroups:

@@ -1,4 +1,8 @@
-"""The context-parallel MLA pipeline: one schedule for G ≥ 1 head groups and every strategy.
+"""The context-parallel attention pipeline: one schedule for G ≥ 1 head groups and every
+strategy — MLA's ``expanded`` and ``latent``, and grouped-query attention's K/V side
+(:class:`~hyper_parallel.context_parallel.gqa.GroupedKV`, one a2a of ``[K | V]`` carrying each
+rank the key/value heads its query heads use). The query projection and the output gate (if
+any) are the strategy's too (``project_q``, ``gate``); the rest is written once here.
 
 Notation as in :mod:`~hyper_parallel.context_parallel.head_groups`: P ranks, ``h = H/P`` heads
 per rank after the sequence→head exchange, G groups of ``hg = h/G`` heads. With G = 1 there is
@@ -42,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from hyper_parallel.context_parallel.admission import Admission
@@ -55,8 +60,8 @@ from hyper_parallel.context_parallel.exchange import (
 )
 from hyper_parallel.context_parallel.fused import WaitLinearGroups, mark
 from hyper_parallel.context_parallel.head_groups import merge_heads, split_heads
-from hyper_parallel.context_parallel.mla import MLAConfig, Rope, project_q
-from hyper_parallel.context_parallel.strategies import STRATEGY_CLASSES
+from hyper_parallel.context_parallel.mla import Rope
+from hyper_parallel.context_parallel.strategies import STRATEGY_CLASSES, Strategy
 from hyper_parallel.context_parallel.transport import BLOCK_OWNER, Group
 from hyper_parallel.dtensor import SequenceContext
 from hyper_parallel.dtensor.fingerprint import FingerprintedExchange
@@ -80,11 +85,12 @@ class Pipeline:
     helpers every strategy shares (exchange names, group splits, send / receive)."""
 
     module: Any
-    dims: MLAConfig
+    dims: Any  # the family's sizes: MLAConfig, or gqa.GQAConfig (num_heads read here)
     group: Group
     groups: int
     overlap: bool
     check: SequenceContext | None = None  # an unchecked context: its fingerprint rides along
+    what: str = "MLA"  # the family's name in error messages
     _folded: list[FingerprintedExchange] = field(default_factory=list)
 
     @property
@@ -138,7 +144,7 @@ class Pipeline:
         ``SequenceMismatchError`` on every rank if the tables differ."""
         if self.check is None:
             return
-        what = "context-parallel MLA forward"
+        what = f"context-parallel {self.what} forward"
         if self._folded:
             self.check.check(self._folded[0].received(), what)
         else:
@@ -146,15 +152,22 @@ class Pipeline:
 
 
 def run_pipeline(
-    pl: Pipeline, strategy: str, x: Tensor, rope: Rope | None, scale: float, adm: Admission
+    pl: Pipeline,
+    strategy: str | type[Strategy],
+    x: Tensor,
+    rope: Rope | None,
+    scale: float,
+    adm: Admission,
 ) -> Tensor:
     """``x [B, S/P, D]`` (this rank's tokens) -> its rows of the serial output ``[B, S/P, D]``
-    (see the module docstring for the schedule)."""
-    kv = STRATEGY_CLASSES[strategy](pl)
+    (see the module docstring for the schedule). ``strategy``: an MLA strategy's name
+    (``STRATEGY_CLASSES``) or a :class:`~hyper_parallel.context_parallel.strategies.Strategy`
+    subclass (grouped-query attention: ``gqa.GroupedKV``)."""
+    kv = (STRATEGY_CLASSES[strategy] if isinstance(strategy, str) else strategy)(pl)
     kv.project(x, rope)
     kv.exchange(0)  # in flight under the Q projection
     (xq,) = mark("q_proj", True, x)
-    q = project_q(pl.module, pl.dims, xq, rope)
+    q = kv.project_q(xq, rope)  # sets kv.gate when the block has an output gate
     (q,) = mark("q_proj", False, q)
     qs = pl.split_heads(q)
     sent_q = [pl.send(qs[0], pl.a2a("q", 0))]
@@ -171,21 +184,25 @@ def run_pipeline(
         o_h = attend(q_h, k_h, v_h, scale, adm.documents, offsets=adm.offsets)
         (o_h,) = mark(name, False, o_h)
         sent_o.append(pl.send(o_h, pl.a2a("o", g, "h2s")))
-    y = _o_proj(pl, sent_o)
+    y = _o_proj(pl, sent_o, kv.gate)
     pl.compare(x.device)  # every forward collective waited: an unchecked table compared
     return y
 
 
-def _o_proj(pl: Pipeline, sent: list[Sent]) -> Tensor:
-    """``o_proj`` on every group's output, heads back in order."""
+def _o_proj(pl: Pipeline, sent: list[Sent], gate: Tensor | None) -> Tensor:
+    """``o_proj`` on every group's output, heads back in order (times ``sigmoid(gate)`` when
+    the block has an output gate)."""
     o_proj = pl.module.o_proj
     if pl.overlap:  # one node waits every group's exchange, then runs o_proj once
         tokens = [s.token for s in sent]
         exs = tuple(s.ex for s in sent)
-        return WaitLinearGroups.apply(o_proj.weight, o_proj.bias, exs, pl.group.size, *tokens)
+        return WaitLinearGroups.apply(o_proj.weight, o_proj.bias, gate, exs, pl.group.size, *tokens)
     parts = [pl.receive(s) for s in sent]
     o = parts[0] if len(parts) == 1 else merge_heads(parts, pl.group.size)
     (o,) = mark("o_proj", True, o)
-    y = o_proj(o.flatten(2))
+    o = o.flatten(2)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    y = o_proj(o)
     (y,) = mark("o_proj", False, y)
     return y

@@ -39,6 +39,7 @@ from hyper_parallel.context_parallel.mla import (
     expand_kv,
     kv_heads,
     project_latent,
+    project_q,
     split_kv,
 )
 from hyper_parallel.context_parallel.transport import BLOCK_OWNER
@@ -46,15 +47,26 @@ from hyper_parallel.context_parallel.transport import BLOCK_OWNER
 if TYPE_CHECKING:
     from hyper_parallel.context_parallel.pipeline import Pipeline, Sent
 
-__all__ = ["STRATEGY_CLASSES", "Expanded", "Latent", "Strategy"]
+__all__ = ["STRATEGY_CLASSES", "Expanded", "Latent", "MLAStrategy", "Strategy"]
 
 
 class Strategy(ABC):
     """One strategy for one forward of the pipeline ``pl`` (see the module docstring for the
-    order of the calls). Subclasses keep what a forward needs between the calls on ``self``."""
+    order of the calls). Subclasses keep what a forward needs between the calls on ``self``.
+
+    Besides the K/V side, a strategy owns the block's query projection (:meth:`project_q`,
+    called between ``exchange(0)`` and the Q exchanges) and its output gate: ``gate``, set by
+    :meth:`project_q` when the block has one (``[B, S/P, H·dv]`` on this rank's tokens,
+    ``o_proj`` then takes ``o · sigmoid(gate)``), else None."""
+
+    gate: Tensor | None = None
 
     def __init__(self, pl: Pipeline) -> None:
         self.pl = pl
+
+    @abstractmethod
+    def project_q(self, x: Tensor, rope: Rope | None) -> Tensor:
+        """The queries of this rank's tokens ``x [B, S/P, D]``: ``[B, S/P, H, dq]``, RoPE'd."""
 
     @abstractmethod
     def project(self, x: Tensor, rope: Rope | None) -> None:
@@ -70,7 +82,14 @@ class Strategy(ABC):
         """Group ``g``'s keys ``[B, S, hg, dq]`` and values ``[B, S, hg, dv]``."""
 
 
-class Expanded(Strategy):
+class MLAStrategy(Strategy):
+    """The MLA query: ``q_proj`` (or the q LoRA), RoPE on its last ``dr`` values; no gate."""
+
+    def project_q(self, x: Tensor, rope: Rope | None) -> Tensor:
+        return project_q(self.pl.module, self.pl.dims, x, rope)
+
+
+class Expanded(MLAStrategy):
     """K and V on this rank's tokens, all heads, exchanged per group like Q."""
 
     def project(self, x: Tensor, rope: Rope | None) -> None:
@@ -92,7 +111,7 @@ class Expanded(Strategy):
         return self.pl.receive(k), self.pl.receive(v)
 
 
-class Latent(Strategy):
+class Latent(MLAStrategy):
     """One all-gather of ``[latent, k_rope]``; this rank's heads expanded from it."""
 
     def project(self, x: Tensor, rope: Rope | None) -> None:
