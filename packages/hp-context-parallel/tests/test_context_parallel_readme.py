@@ -20,3 +20,8 @@ def test_readme_hugging_face_model_example_runs():
 def test_readme_packed_documents_example_runs():
     out = run_markdown_example(README, index=2)
     assert "packed documents, max |out| per rank:" in out
+
+
+def test_readme_grouped_query_attention_example_runs():
+    out = run_markdown_example(README, index=3)
+    assert "{'a2a:kv': 1024, 'a2a:q': 1024, 'a2a:o': 1024}" in out
