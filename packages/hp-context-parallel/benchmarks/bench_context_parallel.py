@@ -6,7 +6,11 @@ counted by the event recorder during one extra step (not estimated).
 Two blocks, the same shapes: this package's ``MultiHeadLatentAttention`` (records
 ``cp_mla_fwd_bwd/*``) and the stock Hugging Face ``DeepseekV3Attention`` (transformers, records
 ``cp_hf_deepseek_v3_fwd_bwd/*``; RoPE tables from its own rotary embedding at the rank's global
-positions, computed once outside the timed step). ``--block mla|deepseek_v3`` runs one.
+positions, computed once outside the timed step). ``--block mla|deepseek_v3|qwen3_next`` runs
+one. ``qwen3_next``: the stock gated ``Qwen3NextAttention`` (2 key/value heads, head dim 64,
+rotary 0.25) through ``parallelize_attention``, under the modeled link only (records
+``cp_hf_qwen3_next_attention_fwd_bwd/link/overlap_vs_blocking``: its default, overlap with
+``head_groups="auto"``, vs blocking).
 
 Under a modeled link (``simulated_link``, a simulation: every collective completes no earlier
 than launch + latency + bytes / bandwidth, the wait sleeping for what compute has not hidden),
@@ -37,7 +41,9 @@ import torch.distributed as dist
 from hyper_parallel.context_parallel import (
     MLAConfig,
     MultiHeadLatentAttention,
+    attention_head_groups,
     mla_head_groups,
+    parallelize_attention,
     parallelize_mla,
     record_events,
 )
@@ -67,7 +73,12 @@ PAIRS = [
     ("latent_vs_expanded_overlap", "latent_overlap", "expanded_overlap"),
     ("latent_vs_expanded_blocking", "latent_blocking", "expanded_blocking"),
 ]
-BLOCKS = {"mla": "cp_mla_fwd_bwd", "deepseek_v3": "cp_hf_deepseek_v3_fwd_bwd"}
+BLOCKS = {
+    "mla": "cp_mla_fwd_bwd",
+    "deepseek_v3": "cp_hf_deepseek_v3_fwd_bwd",
+    "qwen3_next": "cp_hf_qwen3_next_attention_fwd_bwd",  # under the modeled link only
+}
+GATED_KV_HEADS, GATED_HEAD_DIM, GATED_ROTARY = 2, 64, 0.25  # Qwen3-Next's kv heads, rotary
 # the head-group pipeline, compared under the modeled link: (suffix, head_groups); the
 # ``<strategy>_overlap`` case itself is parallelize_mla's default, head_groups="auto"
 LINK_GROUPS = [("g1", 1), ("g2", 2), ("g4", 4), ("g8", 8)]
@@ -124,6 +135,91 @@ def _deepseek_v3_block(cfg: dict[str, Any], rank: int, ws: int) -> tuple[torch.n
     return module, call
 
 
+def _qwen3_next_block(cfg: dict[str, Any], rank: int, ws: int) -> tuple[torch.nn.Module, Any]:
+    """The stock HF Qwen3NextAttention (gated, 2 kv heads, partial rotary); called like its
+    decoder layer with the RoPE tables of the rank's global positions (per sequence length)."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        Qwen3NextAttention,
+        Qwen3NextRotaryEmbedding,
+    )
+
+    config = Qwen3NextConfig(
+        hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
+        num_key_value_heads=GATED_KV_HEADS, head_dim=GATED_HEAD_DIM,
+        partial_rotary_factor=GATED_ROTARY, attention_dropout=0.0, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    module = Qwen3NextAttention(config, layer_idx=0)
+    rotary = Qwen3NextRotaryEmbedding(config)
+    tables: dict[tuple, Any] = {}
+
+    def call(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        key = (x.device, x.dtype, s)
+        if key not in tables:  # the model computes these once per step for all layers
+            positions = torch.arange(rank * s, (rank + 1) * s, device=x.device)[None]
+            tables[key] = rotary.to(x.device)(x, positions)
+        return m(hidden_states=x, position_embeddings=tables[key], attention_mask=None)[0]
+
+    return module, call
+
+
+def _gated_link(
+    cfg: dict[str, Any], base: torch.nn.Module, call: Any, mesh: Any, x: torch.Tensor
+) -> list[dict[str, Any]]:
+    """``parallelize_attention``'s default (overlap, ``head_groups="auto"``) vs blocking on
+    the stock gated attention, interleaved under a modeled link calibrated as for MLA."""
+    device = x.device
+    models = {
+        "overlap": parallelize_attention(copy.deepcopy(base), mesh),
+        "blocking": parallelize_attention(copy.deepcopy(base), mesh, overlap=False),
+    }
+    g = torch.Generator().manual_seed(2 + dist.get_rank())
+    s_link = cfg["link_tokens"] // dist.get_world_size()
+    shape = (1, s_link, cfg["hidden"])
+    xl = torch.randn(*shape, generator=g).to(device=device, dtype=x.dtype).requires_grad_()
+    dyl = torch.randn(*shape, generator=g).to(device=device, dtype=x.dtype)
+
+    def step(model: torch.nn.Module) -> None:
+        for p in model.parameters():
+            p.grad = None
+        xl.grad = None
+        call(model, xl).backward(dyl)
+
+    pair = {name: (lambda m=m: step(m)) for name, m in models.items()}
+    latency = cfg["link_latency"]
+    m = measure_under_link(
+        pair, "blocking", latency_s=latency, repeats=cfg["link_repeats"], device=device
+    )
+    launches, moved = {}, {}
+    for name, fn in pair.items():
+        with simulated_link(latency, m.bytes_per_s), record_events() as rec:
+            fn()
+        launches[name] = sum(1 for e in rec.events if e.kind == "launch" and e.phase == "forward")
+        moved[name] = rec.bytes_received()
+    if dist.get_rank() == 0:
+        print(f"link qwen3_next: blocking {m.calibration_line()}")
+    return [
+        m.record(
+            f"{BLOCKS['qwen3_next']}/link/overlap_vs_blocking",
+            "overlap",
+            device=device.type,
+            head_groups=attention_head_groups(models["overlap"], xl).count,
+            collectives_per_forward=launches["overlap"],
+            collectives_per_forward_baseline=launches["blocking"],
+            bytes_per_rank=moved["overlap"],
+            repeats=cfg["link_repeats"],
+            tokens=cfg["link_tokens"],
+            hidden=cfg["hidden"],
+            heads=cfg["heads"],
+            kv_heads=GATED_KV_HEADS,
+            head_dim=GATED_HEAD_DIM,
+            dtype=cfg["dtype"],
+        )
+    ]
+
+
 def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     rank, ws = dist.get_rank(), dist.get_world_size()
     device = torch.device(cfg["device"])
@@ -136,6 +232,13 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     x.requires_grad_()
     records = []
     for block in cfg["blocks"]:
+        if block == "qwen3_next":  # the gated GQA attention: the modeled-link case only
+            if cfg["link"]:
+                gated, gated_call = _qwen3_next_block(cfg, rank, ws)
+                records += _gated_link(
+                    cfg, gated.to(device=device, dtype=dtype), gated_call, mesh, x
+                )
+            continue
         make = _mla_block if block == "mla" else _deepseek_v3_block
         base, call = make(cfg, rank, ws)
         base = base.to(device=device, dtype=dtype)
@@ -323,7 +426,9 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "rope": 32,
         "v": 64,
         "repeats": a.repeats or dims[5],
-        "blocks": ["mla"] if a.link_only else ([a.block] if a.block else list(BLOCKS)),
+        "blocks": (
+            ["mla", "qwen3_next"] if a.link_only else ([a.block] if a.block else list(BLOCKS))
+        ),
         "warmup": 1,
         "link": not a.no_link,
         "link_only": a.link_only,
