@@ -103,7 +103,21 @@ def moe_collectives(row: dict[str, Any]) -> list[tuple[str, list[int]]]:
     return [(n, summed[n]) for n in order]
 
 
-def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float) -> None:
+def load_lines(load: dict[str, Any]) -> str:
+    """What ``from_pretrained`` loaded (the folder, its family) and what each rank read."""
+    total = load["folder_bytes"]
+    lines = [
+        f"\nloaded {load['path']} ({load['family']}, from_pretrained): "
+        f"{fmt_bytes(total)} of tensors in the folder; each rank read its own slices:"
+    ]
+    per_rank = zip(load["bytes_read_per_rank"], load["tensors_per_rank"], load["seconds_per_rank"])
+    for rank, (n, tensors, seconds) in enumerate(per_rank):
+        lines.append(f"  rank {rank}: read {fmt_bytes(n)} ({n:,} bytes, {n / max(total, 1):.0%} "
+                     f"of the folder) from {tensors} tensors in {seconds:.1f} s")  # fmt: skip
+    return "\n".join(lines)
+
+
+def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float | None) -> None:
     mesh = record["mesh"]
     print(
         f"\nper layer, one step (cp={mesh['cp']} x tp={mesh['tp']}; bytes each rank moves over "
@@ -136,7 +150,8 @@ def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float
                 f"{'  ' + name:<14} {what:<46} {fmt_bytes(max(per_rank)):>16} "
                 f"{fmt_bytes(sum(per_rank)):>12} {'':>8} {'':>8}"
             )
-    print(f"median step: parallel {parallel_s * 1e3:.0f} ms, serial {serial_s * 1e3:.0f} ms")
+    serial = "no serial run" if serial_s is None else f"serial {serial_s * 1e3:.0f} ms"
+    print(f"median step: parallel {parallel_s * 1e3:.0f} ms, {serial}")
 
 
 def routing_lines(rate: float, bias: dict[str, list[float]], rerouted: list[int],
@@ -163,9 +178,11 @@ def plot_curves(path: Path, parallel: list[float], serial: list[float], title: s
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    steps = range(1, len(serial) + 1)
-    ax.plot(steps, serial, label="serial (1 process)", linewidth=2.5, alpha=0.6)
-    ax.plot(steps, parallel, label="parallel (TP + CP)", linestyle="--", marker=".")
+    if serial:  # none under --no-serial
+        ax.plot(range(1, len(serial) + 1), serial, label="serial (1 process)", linewidth=2.5,
+                alpha=0.6)  # fmt: skip
+    ax.plot(range(1, len(parallel) + 1), parallel, label="parallel (TP + CP)", linestyle="--",
+            marker=".")  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title, fontsize=9)

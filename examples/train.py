@@ -8,18 +8,22 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py --packed   # documents per row
     torchrun --standalone --nproc-per-node 4 examples/train.py --ep 2      # experts over 2 ranks
     torchrun --standalone --nproc-per-node 4 examples/train.py --experts 0 # dense MLPs only
+    torchrun --standalone --nproc-per-node 4 examples/train.py --model path/to/hf-folder
 
 A tiny random ``KimiLinearForCausalLM`` (KDA and MLA layers) or ``DeepseekV3ForCausalLM`` (MLA
 layers) built in code, the first ``--dense-layers`` layers with a dense MLP and the others with
 a MoE block (``--experts`` routed experts, ``--top-k`` a token, one shared expert), like the
-stock configs; parallelised in one call (``parallelize_model``: the routed experts split over
-groups of ``--ep`` ranks), trained with AdamW on a learnable synthetic token stream
-(examples/_data.py; ``--packed``: each row holds documents of random lengths), the routers'
-bias balanced after every step (``balance_experts``, DeepSeek-V3's auxiliary-loss-free
-balancing; ``--balance-rate``); gradients clipped with ``hyper_parallel.models.clip_grad_norm_``,
-a sharded checkpoint (``torch.distributed.checkpoint``) every ``--save-every`` steps and at
-the end, ``--resume`` from the latest one. Rank 0 shows a progress bar and writes
-``<out>/losses.json`` and ``<out>/loss.png``. Swap ``build_model`` and ``_data.batch`` for your
+stock configs, parallelised in one call (``parallelize_model``: the routed experts split over
+groups of ``--ep`` ranks); or ``--model PATH``, a Hugging Face folder (``config.json`` and
+safetensors, as downloaded or as ``save_pretrained`` writes them) loaded by ``from_pretrained``
+straight into the parallelised model, each rank reading only its own slices. Trained with
+AdamW on a learnable synthetic token stream (examples/_data.py; ``--packed``: each row holds
+documents of random lengths), the routers' bias balanced after every step
+(``balance_experts``, DeepSeek-V3's auxiliary-loss-free balancing; ``--balance-rate``);
+gradients clipped with ``hyper_parallel.models.clip_grad_norm_``, a sharded checkpoint
+(``torch.distributed.checkpoint``) every ``--save-every`` steps and at the end, ``--resume``
+from the latest one. Rank 0 shows a progress bar and writes ``<out>/losses.json`` and
+``<out>/loss.png``. Swap ``build_model`` (or ``--model PATH``) and ``_data.batch`` for your
 model and data.
 """
 
@@ -54,9 +58,13 @@ from hyper_parallel.models import (
     shard_batch,
     sync_gradients,
 )
+from hyper_parallel.models.pretrained import from_pretrained, load_report
 from hyper_parallel.models.testing import tiny_model
 
 LAYERS = {"kimi-linear": "kda,mla,kda,mla", "deepseek-v3": "mla,mla,mla,mla"}
+# the built-in model's sizes: a folder's config.json has its own
+SHAPE = ("layers", "hidden", "ffn", "experts", "top_k", "moe_ffn", "dense_layers", "heads",
+         "kda_head_dim")  # fmt: skip
 AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
     add("--device", choices=sorted(BACKENDS), default="cpu")
-    add("--model", choices=sorted(LAYERS), default="kimi-linear")
+    add("--model", default="kimi-linear",
+        help="kimi-linear / deepseek-v3 (tiny, random) or PATH, a Hugging Face folder")  # fmt: skip
     add("--layers", help="token mixer per layer, kda / mla (default: per --model)")
     add("--mesh", default="2,2", help="cp,tp or dp,cp,tp (product = ranks)")
     add("--steps", type=int, default=40)
@@ -81,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--balance-rate", type=float, default=1e-3, help="router bias step (0: off)")
     add("--heads", type=int, default=4, help="MLA heads (and KDA heads)")
     add("--kda-head-dim", type=int, default=16)
-    add("--vocab", type=int, default=64)
+    add("--vocab", type=int, default=64, help="the data's tokens (a folder: <= its vocab)")
     add("--dtype", choices=["float32", "float64"], default="float32", help="weights")
     add("--autocast", choices=sorted(AMP), default="off")
     add("--grad-reduction", choices=["auto", "fsdp", "allreduce"], default="auto")
@@ -94,7 +103,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--timeout", type=float, default=600.0, help="collective timeout (s)")
     args = p.parse_args(argv)
     args.mesh = tuple(int(v) for v in args.mesh.split(",") if v.isdigit())
-    args.mixers = (args.layers or LAYERS[args.model]).split(",")
+    args.folder = None if args.model in LAYERS else args.model
+    if args.folder is not None:
+        if not (Path(args.folder) / "config.json").is_file():
+            p.error(f"--model takes {' / '.join(LAYERS)} or a folder with a config.json")
+        given = [o for o in SHAPE if getattr(args, o) != p.get_default(o)]
+        if given:
+            p.error(f"--{given[0].replace('_', '-')} sizes the built-in model: the folder's "
+                    "config.json sizes this one")  # fmt: skip
+        try:
+            args.mixers, args.mlps, args.experts, args.top_k, vocab = folder_layout(args.folder)
+        except ValueError as exc:
+            p.error(str(exc))
+        args.vocab = min(args.vocab, vocab)  # the synthetic data's tokens
+    else:
+        args.mixers = (args.layers or LAYERS[args.model]).split(",")
     dp = args.mesh[0] if len(args.mesh) == 3 else 1
     args.batch = args.batch or (dp if args.packed else 2)
     if len(args.mesh) not in (2, 3) or min(args.mesh) < 1:
@@ -108,7 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     n, ranks = len(args.mixers), math.prod(args.mesh)
     if args.experts < 0 or not 0 <= args.dense_layers <= n:
         p.error(f"--experts takes a count >= 0, --dense-layers one in [0, {n}]")
-    args.mlps = ["moe" if args.experts and i >= args.dense_layers else "dense" for i in range(n)]
+    if args.folder is None:
+        args.mlps = ["moe" if args.experts and i >= args.dense_layers else "dense"
+                     for i in range(n)]  # fmt: skip
     args.ep = ranks if args.ep is None else args.ep
     if "moe" in args.mlps:
         if not 1 <= args.top_k <= args.experts:
@@ -129,6 +154,23 @@ def describe_mlps(args: argparse.Namespace) -> str:
         return "dense MLPs"
     return (f"MLPs {', '.join(args.mlps)}: {args.experts} experts, top-{args.top_k}, "
             f"ep={args.ep}")  # fmt: skip
+
+
+def folder_layout(path: str) -> tuple[list[str], list[str], int, int, int]:
+    """A Hugging Face folder's (mixers, MLPs, routed experts, experts a token, vocab size)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    n = c.num_hidden_layers
+    if c.model_type == "kimi_linear":
+        mixers = ["kda" if k == "linear_attention" else "mla" for k in c.layer_types]
+        mlps = ["moe" if k == "sparse" else "dense" for k in c.mlp_layer_types]
+        return mixers, mlps, c.num_experts, c.num_experts_per_token, c.vocab_size
+    if c.model_type == "deepseek_v3":
+        mlps = ["dense" if i < c.first_k_dense_replace else "moe" for i in range(n)]
+        return ["mla"] * n, mlps, c.n_routed_experts, c.num_experts_per_tok, c.vocab_size
+    raise ValueError(f"{path}: a {c.model_type!r} model; this script trains kimi_linear and "
+                     "deepseek_v3")  # fmt: skip
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -182,17 +224,28 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
     world = init_device_mesh(args.device, (dist.get_world_size(),), mesh_dim_names=("world",))
     names = ("cp", "tp") if len(args.mesh) == 2 else ("dp", "cp", "tp")  # dp outermost
     mesh = unflatten(world, "world", args.mesh, names)
-    model = build_model(args).to(args.device)
+    if args.folder is None:  # the tiny random model, parallelised in one call
+        model = build_model(args).to(args.device)
+        parallelize_model(model, mesh, grad_reduction=args.grad_reduction, ep=args.ep)
+    else:  # a Hugging Face folder, parallelised as it loads: each rank reads only its slices
+        eager = args.dtype == "float64"  # grouped_mm has no float64
+        model = from_pretrained(args.folder, mesh, dtype=getattr(torch, args.dtype), ep=args.ep,
+                                grad_reduction=args.grad_reduction,
+                                experts_implementation="eager" if eager else None)  # fmt: skip
     if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
+        params = sum(p.numel() for p in model.parameters())  # whole tensors, not shards
         dims = " x ".join(f"{n}={s}" for n, s in zip(names, args.mesh))
         mixers = ", ".join(args.mixers)
-        print(f"training {type(model).__name__}: {len(args.mixers)} layers ({mixers}; "
+        name = type(model).__name__.removeprefix("FSDP")  # FSDP2's subclass of the stock one
+        print(f"training {name}: {len(args.mixers)} layers ({mixers}; "
               f"{describe_mlps(args)}), {params:,} parameters ({args.dtype})\nmesh {dims} on "
               f"{args.device}; "
               f"{args.batch} x {args.seq} tokens per step{', packed documents' * args.packed}; "
               f"autocast {args.autocast}; {args.steps} steps", flush=True)  # fmt: skip
-    parallelize_model(model, mesh, grad_reduction=args.grad_reduction, ep=args.ep)
+        if (report := load_report(model)) is not None:
+            print(f"loaded {report.path} ({report.family}): rank 0 read "
+                  f"{report.bytes_read:,} of {report.folder_bytes:,} bytes in "
+                  f"{report.seconds:.1f} s", flush=True)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after parallelize_model
     start = latest_step(out) if args.resume else 0
     if start:  # the DCP recipe of packages/hp-models/README.md (any mesh shape)

@@ -11,6 +11,7 @@ curves agree; meter, trace and report the parallel run, and keep every process u
     python examples/train_hybrid.py --model deepseek-v3
     python examples/train_hybrid.py --ep 2 --experts 4     # experts split over 2 ranks
     python examples/train_hybrid.py --dtype float32        # train.py's dtype (CPU: float64)
+    python examples/train_hybrid.py --model path/to/hf-folder [--no-serial]
 
 Options of its own are listed below; every other one goes to examples/train.py (its --help
 lists them). The harness starts torchrun on ``prod(--mesh)`` local ranks, each running
@@ -37,7 +38,15 @@ scores are a near-tie in float32, the two models may pick different experts (rep
 failure); taking the parallel loads keeps one such token from moving the biases apart, which
 would change the routing of many tokens from then on.
 
-Exit status 0 when the curves agree within ``--tol``; otherwise non-zero with a one-line
+``--model PATH`` (a Hugging Face folder): the ranks load it with ``from_pretrained`` (each
+reads only its own slices; the report names the folder, its family and the bytes each rank
+read) and the serial reference is the stock
+``transformers.AutoModelForCausalLM.from_pretrained(PATH)`` (float64 on CPU, eager experts);
+``--no-serial`` skips the serial model and the comparison (a model too large for one process),
+and the report says that nothing was compared.
+
+Exit status 0 when the curves agree within ``--tol`` (``--no-serial``: when the parallel run
+ends); otherwise non-zero with a one-line
 reason: curves that disagree (a NaN counts as disagreement), a router bias unlike the serial
 model's, a non-finite loss (every rank
 stops at that step; the reason names the rank and the layer output where it first appeared,
@@ -50,6 +59,7 @@ exits (examples/_jobctl.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -87,6 +97,8 @@ def harness_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-step", type=int, help="step recorded in the trace")
     p.add_argument("--rank-timeout", type=float, default=60.0, help="collective timeout (s)")
     p.add_argument("--job-timeout", type=float, default=900.0, help="whole parallel run (s)")
+    p.add_argument("--no-serial", action="store_true", help="skip the serial model and the "
+                   "comparison (for a --model folder too large for one process)")  # fmt: skip
     # failure drills (hidden): a rank exits at a step; a NaN enters one rank's (or, with -1,
     # every rank's) embedding output at a step
     p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)
@@ -148,7 +160,10 @@ class RankHooks:
 
     def on_model(self, model: torch.nn.Module, mesh: Any) -> None:
         from hyper_parallel.dtensor.rewrite import parallel_state
+        from hyper_parallel.models.pretrained import load_report
 
+        report = load_report(model)  # None unless loaded from a folder
+        self.load = None if report is None else dataclasses.asdict(report)
         self.fsdp = parallel_state(model, "hp-models").grad_reduction == "fsdp"
         self.router_loads = RouterLoads(model)  # this rank's tokens
         base = model.model
@@ -238,6 +253,7 @@ class RankHooks:
             "router_loads": self.loads,
             "router_bias": self.bias,
             "grad_reduction": "fsdp" if self.fsdp else "allreduce",
+            "load": self.load,
         }
 
 
@@ -364,7 +380,13 @@ def merge_rank_stats(h: argparse.Namespace, t: argparse.Namespace) -> dict[str, 
                      "bwd_s": max(bwd) if bwd else None,
                      "collectives": by_name})  # fmt: skip
     names = ("cp", "tp") if len(t.mesh) == 2 else ("dp", "cp", "tp")
+    load = None
+    if per_rank[0]["load"] is not None:  # from_pretrained's report: the folder, each rank's reads
+        load = {k: per_rank[0]["load"][k] for k in ("path", "family", "folder_bytes")}
+        for k in ("bytes_read", "regions", "tensors", "seconds"):
+            load[f"{k}_per_rank"] = [s["load"][k] for s in per_rank]
     record = {
+        "load": load,
         "mesh": dict(zip(names, t.mesh)),
         "ep": t.ep,
         "experts": t.experts if "moe" in t.mlps else 0,
@@ -405,7 +427,7 @@ def train_serial(t: argparse.Namespace, record: dict[str, Any]) -> SerialRun:
     bind_device(t.device, 0)
     if t.device == "cpu":  # one thread, like each rank: on busy shared cores, OpenMP threads
         torch.set_num_threads(1)  # waiting for each other made serial steps 20-60x slower
-    model = train.build_model(t).to(t.device)
+    model = serial_model(t)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
     loads = RouterLoads(model)
     par_loads = record.get("router_loads", [])
@@ -436,6 +458,18 @@ def train_serial(t: argparse.Namespace, record: dict[str, Any]) -> SerialRun:
         if not math.isfinite(run.losses[-1]):
             break  # the comparison reports it
     return run
+
+
+def serial_model(t: argparse.Namespace) -> torch.nn.Module:
+    """train.py's tiny model, or for a folder the stock ``AutoModelForCausalLM`` loaded from it
+    (eager experts: grouped_mm has no float64), in training mode as train.py's is."""
+    if t.folder is None:
+        return train.build_model(t).to(t.device)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(t.folder, dtype=getattr(torch, t.dtype),
+                                                 experts_implementation="eager")  # fmt: skip
+    return model.to(t.device).train()
 
 
 def assignments_apart(a: dict[str, list[int]], b: dict[str, list[int]]) -> int:
@@ -519,30 +553,43 @@ def packed_loss(model: torch.nn.Module, tokens: torch.Tensor, docs: list[list[in
 
 
 def summarize(h: argparse.Namespace, t: argparse.Namespace, record: dict[str, Any],
-              run: SerialRun) -> str:  # fmt: skip
-    """Print the table, write the plots; return the reason the run failed ('' when OK)."""
+              run: SerialRun | None) -> str:  # fmt: skip
+    """Print the table, write the plots; return the reason the run failed ('' when OK).
+    ``run`` None: ``--no-serial``, nothing compared."""
     out = Path(h.out)
-    parallel, serial = record["losses"], run.losses
-    rel, reason = _report.compare_curves(parallel, serial, h.tol)
-    bias_reason = check_router_bias(record, run)
+    parallel, serial = record["losses"], run.losses if run is not None else []
+    rel, reason, bias_reason = math.nan, "", ""
+    if run is not None:
+        rel, reason = _report.compare_curves(parallel, serial, h.tol)
+        bias_reason = check_router_bias(record, run)
     reason = reason or bias_reason
-    par_med, ser_med = _median(record["step_times"]), _median(run.times)
+    par_med = _median(record["step_times"])
+    ser_med = _median(run.times) if run is not None else None
+    if record.get("load"):
+        print(_report.load_lines(record["load"]))
     _report.print_layer_table(record, par_med, ser_med)
-    slower = _report.slower_reason(t.device, math.prod(t.mesh), par_med, ser_med)
+    slower = _report.slower_reason(t.device, math.prod(t.mesh), par_med, ser_med) if ser_med else ""
     if slower:
         print(slower)
     mesh = " x ".join(f"{k}={v}" for k, v in record["mesh"].items())
     moe = f", {t.experts} experts over ep={t.ep}" if "moe" in t.mlps else ""
-    what = f"{t.model} {','.join(t.mixers)}{moe}, {mesh}"
+    what = f"{Path(t.model).name} {','.join(t.mixers)}{moe}, {mesh}"
     png = out / "loss_curves.png"
-    _report.plot_curves(png, parallel, serial, f"{what}, max rel diff {rel:.1e} (tol {h.tol:.0e})")
+    versus = f"max rel diff {rel:.1e} (tol {h.tol:.0e})" if run is not None else "no serial run"
+    _report.plot_curves(png, parallel, serial, f"{what}, {versus}")
     trace_json, trace_png = out / "trace_step.json", out / "trace_step.png"
     plot_trace(json.loads(trace_json.read_text()), trace_png, f"step {h.trace_step}, {what}")
-    print(
-        f"\nloss: first {serial[0]:.4f}, last serial {serial[-1]:.4f} / parallel "
-        f"{parallel[-1]:.4f}; max relative difference {rel:.2e} (tol {h.tol:.0e})"
-    )
-    if run.bias and run.bias[-1]:
+    if run is None:
+        print(
+            f"\nloss: first {parallel[0]:.4f}, last {parallel[-1]:.4f}; serial comparison "
+            "SKIPPED (--no-serial): the loss curves and router biases were not checked"
+        )
+    else:
+        print(
+            f"\nloss: first {serial[0]:.4f}, last serial {serial[-1]:.4f} / parallel "
+            f"{parallel[-1]:.4f}; max relative difference {rel:.2e} (tol {h.tol:.0e})"
+        )
+    if run is not None and run.bias and run.bias[-1]:
         print(_report.routing_lines(t.balance_rate, run.bias[-1], run.rerouted,
                                     not bias_reason))  # fmt: skip
     print(f"loss curves: {png}")
@@ -597,7 +644,8 @@ def launcher(h: argparse.Namespace, t: argparse.Namespace, argv: list[str]) -> i
             return 1
         t_par = time.perf_counter() - t0
         record = merge_rank_stats(h, t)
-        reason = summarize(h, t, record, train_serial(t, record))
+        serial = None if h.no_serial else train_serial(t, record)
+        reason = summarize(h, t, record, serial)
     except _jobctl.Interrupted as exc:
         print(f"train_hybrid: FAILED: interrupted by {exc} after {time.perf_counter() - t0:.0f}s;"
               " torchrun and every rank stopped", flush=True)  # fmt: skip
@@ -606,7 +654,10 @@ def launcher(h: argparse.Namespace, t: argparse.Namespace, argv: list[str]) -> i
     if reason:
         print(f"train_hybrid: FAILED: {reason}")
         return 1
-    print("train_hybrid: OK: parallel and serial loss curves agree")
+    if h.no_serial:
+        print("train_hybrid: OK: parallel run finished; serial comparison skipped (--no-serial)")
+    else:
+        print("train_hybrid: OK: parallel and serial loss curves agree")
     return 0
 
 

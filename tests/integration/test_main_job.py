@@ -45,7 +45,7 @@ class MainJob:
     """The launcher in a session of its own (so a process-group SIGINT is a terminal Ctrl-C),
     output to a file, ``HP_TEST_TAG`` in its environment."""
 
-    def __init__(self, tmp_path: Path, *extra: str) -> None:
+    def __init__(self, tmp_path: Path, *extra: str, base: list[str] = TINY) -> None:
         self.tag = f"HP_TEST_TAG={uuid.uuid4().hex}"
         self.out = tmp_path / "out"
         self.log = tmp_path / "job.log"
@@ -53,7 +53,7 @@ class MainJob:
         env["HP_TEST_TAG"] = self.tag.split("=", 1)[1]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(SCRIPT), *TINY, "--out", str(self.out), *extra],
+                [sys.executable, str(SCRIPT), *base, "--out", str(self.out), *extra],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
@@ -111,8 +111,8 @@ class MainJob:
 def job_factory(tmp_path):
     jobs: list[MainJob] = []
 
-    def start(*extra: str) -> MainJob:
-        jobs.append(MainJob(tmp_path, *extra))
+    def start(*extra: str, base: list[str] = TINY) -> MainJob:
+        jobs.append(MainJob(tmp_path, *extra, base=base))
         return jobs[-1]
 
     yield start
@@ -302,6 +302,75 @@ def test_main_job_resume_continues_the_uninterrupted_run(tmp_path):
     assert resumed["first_step"] == 2 and len(resumed["losses"]) == 2
     assert resumed["losses"] == pytest.approx(whole["losses"][2:], rel=1e-6, abs=0)
     assert resumed["losses"] != pytest.approx(whole["losses"][:2], rel=1e-3)  # not a restart
+
+
+def _tiny_folder(path: Path) -> Path:
+    """A hub-layout folder of a tiny stock Kimi-Linear the shape of TINY's: KDA + dense MLP, MLA
+    + a MoE block of 4 experts (stock ``save_pretrained``)."""
+    from hyper_parallel.models.testing import tiny_model
+
+    model = tiny_model("kimi", seed=0, num_hidden_layers=2, mlp_layer_types=["dense", "sparse"],
+                       layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.timeout(180)
+def test_main_job_trains_a_hugging_face_folder(job_factory, tmp_path, capsys):
+    """--model PATH: the ranks load the folder with from_pretrained (each reading its own
+    slices), the serial reference is the stock AutoModelForCausalLM.from_pretrained(PATH); the
+    curves agree and the report names the folder, its family and each rank's bytes read. Then
+    the report of the same run under --no-serial (in this process: no second run) says that
+    nothing was compared."""
+    import train_hybrid
+
+    folder = _tiny_folder(tmp_path / "tiny-kimi")
+    base = ["--model", str(folder), "--mesh", "2,1", "--seq", "16", "--rank-timeout", "30"]
+    job = job_factory("--steps", "2", "--tol", "1e-4", base=base)
+    rc = job.finish(timeout=START_S + 60)
+    output = job.output()
+    assert rc == 0, output
+    assert _last_line(output) == "train_hybrid: OK: parallel and serial loss curves agree"
+    assert ("training KimiLinearForCausalLM: 2 layers (kda, mla; MLPs dense, moe: 4 experts, "
+            "top-2, ep=2)") in output  # fmt: skip
+    assert f"loaded {folder} (kimi-linear, from_pretrained): " in output, output
+    load = json.loads((job.out / "parallel.json").read_text())["load"]
+    assert (load["path"], load["family"]) == (str(folder), "kimi-linear")
+    read = load["bytes_read_per_rank"]
+    assert len(read) == RANKS and all(0 < n < load["folder_bytes"] for n in read), load
+    for rank, n in enumerate(read):  # each rank's own line in the table
+        assert f"  rank {rank}: read " in output and f"({n:,} bytes, " in output, output
+    job.assert_nothing_left()
+
+    h, _, t = train_hybrid.parse_args([*base, "--steps", "2", "--out", str(job.out),
+                                       "--no-serial"])  # fmt: skip
+    assert h.no_serial and t.folder == str(folder)
+    record = json.loads((job.out / "parallel.json").read_text())
+    capsys.readouterr()
+    assert train_hybrid.summarize(h, t, record, None) == ""  # nothing compared: nothing fails
+    said = capsys.readouterr().out
+    assert "serial comparison SKIPPED (--no-serial)" in said, said
+    assert "median step: parallel " in said and ", no serial run" in said, said
+    assert f"loaded {folder} (kimi-linear, from_pretrained)" in said
+
+
+def test_folder_options_come_from_its_config(tmp_path, capsys):
+    import train
+
+    folder = _tiny_folder(tmp_path / "tiny-kimi")
+    t = train.parse_args(["--model", str(folder), "--mesh", "2,1"])
+    assert (t.folder, t.mixers, t.mlps, t.experts, t.top_k, t.ep) == (
+        str(folder), ["kda", "mla"], ["dense", "moe"], 4, 2, 2
+    )  # fmt: skip
+    assert t.vocab == 48  # the data's tokens: at most the folder's vocabulary
+    assert train.parse_args([]).folder is None  # the tiny random model by default
+    for bad in (["--hidden", "16"], ["--experts", "0"], ["--layers", "kda"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--model", str(folder), "--mesh", "2,1", *bad])
+        assert "the folder's config.json sizes this one" in capsys.readouterr().err, bad
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", str(tmp_path / "missing")])
+    assert "or a folder with a config.json" in capsys.readouterr().err
 
 
 def test_curve_comparison_counts_nan_as_disagreement():
