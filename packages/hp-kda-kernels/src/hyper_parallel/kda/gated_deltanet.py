@@ -24,7 +24,8 @@ serial layer's output:
    the output gate ``z`` and ``b``, ``a``;
 2. the halo of the ``W − 1`` previous pre-convolution rows is launched
    (:func:`~hyper_parallel.kda.halo.start_causal_conv_halo`; zeros on the first rank);
-3. meanwhile ``β = sigmoid(b)``, ``g = −exp(A_log) · softplus(a + dt_bias)``;
+3. meanwhile (Qwen3.5: also ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) ``β = sigmoid(b)``,
+   ``g = −exp(A_log) · softplus(a + dt_bias)``;
 4. the halo arrives; the depthwise causal convolution and its activation give q, k, v (the
    same helper as ``parallelize_kda``); q and k are repeated to the value heads and
    l2-normalised in fp32;
@@ -186,10 +187,14 @@ class _GDNState:
     executor: StateExchange
 
 
-def _project(self: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _project(
+    self: Any, x: torch.Tensor
+) -> tuple[torch.Tensor, Callable[[], tuple[torch.Tensor, ...]]]:
     """The stock projections of the block ``x [B, T, D]``: ``mixed [B, T, 2·key_dim +
-    value_dim]`` (the pre-convolution ``[q | k | v]``), ``z [B, T, H, V]``, ``b``, ``a [B, T,
-    H]``, by the module's own submodules (and, for Qwen3-Next, its own reordering)."""
+    value_dim]`` (the pre-convolution ``[q | k | v]``) now, and a function giving ``z [B, T, H,
+    V]``, ``b``, ``a [B, T, H]`` (run while the halo is in flight where the layout lets them
+    wait: Qwen3.5's separate projections), by the module's own submodules (and, for
+    Qwen3-Next, its own reordering)."""
     B, T = x.shape[:2]
     if hasattr(self, "in_proj_qkvz"):
         qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
@@ -200,14 +205,21 @@ def _project(self: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         else:
             q, k, v, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)
         mixed = torch.cat([t.reshape(B, T, t.shape[2] * t.shape[3]) for t in (q, k, v)], dim=-1)
-        return mixed, z, b, a
-    z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
-    return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        return mixed, lambda: (z, b, a)
+
+    def rest() -> tuple[torch.Tensor, ...]:
+        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
+        return z, self.in_proj_b(x), self.in_proj_a(x)
+
+    return self.in_proj_qkv(x), rest
 
 
 def _check_call(self: Any, hidden_states: Any, cache_params: Any, mask: Any, kw: dict) -> None:
-    check_call(self, hidden_states, cache_params, mask, kw, "parallelize_gated_deltanet",
-          "the stock model (create_recurrent_attention_mask)", REJECTED_KWARGS)  # fmt: skip
+    model = "the stock model (create_recurrent_attention_mask)"
+    check_call(
+        self, hidden_states, cache_params, mask, kw, "parallelize_gated_deltanet", model,
+        REJECTED_KWARGS,
+    )  # fmt: skip
 
 
 def _cp_forward(
@@ -225,8 +237,9 @@ def _cp_forward(
         state.mesh, B, T, x.device, "parallelize_gated_deltanet",
         cu_seqlens=kwargs.get("cu_seqlens"), context=kwargs.get("sequence_context"),
     )  # fmt: skip
-    mixed, z, b, a = _project(self, x)
+    mixed, rest = _project(self, x)
     pending = start_causal_conv_halo(mixed, self.conv_kernel_size, state.mesh, seq_dim=1)
+    z, b, a = rest()  # meanwhile: the per-token projections and gates
     beta = b.sigmoid()
     # the stock expression (A_log in fp32, as the stock layer computes it)
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
