@@ -21,8 +21,12 @@ from _kda_testutil import max_rel_err
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hyper_parallel.dtensor import comm as comm_mod
-from hyper_parallel.dtensor import init_device_mesh, sequence_context
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor import consistency_checks, init_device_mesh, sequence_context
+from hyper_parallel.dtensor.testing import (
+    assert_same_inconsistency,
+    caught_inconsistency,
+    run_distributed,
+)
 from hyper_parallel.kda import (
     SUPPORTED_GDN_CLASSES,
     ContextParallelGatedDeltaNet,
@@ -200,6 +204,31 @@ def _errors(mesh: Any) -> dict[str, Any]:
     return {"raised": raised, "calls": calls, "after": out.shape[1]}
 
 
+def _consistency(mesh: Any, r: int) -> dict[str, Any]:
+    """Consistency mode: every field of a forward's signature is computed (none raises),
+    uneven blocks still run, and ranks that disagree raise the same error everywhere."""
+    from types import SimpleNamespace
+
+    from hyper_parallel.kda._signatures import GDN_FORWARD_FIELDS
+
+    res: dict[str, Any] = {}
+    with consistency_checks():
+        layer = parallelize_gated_deltanet(gdn_layer("3.5"), mesh)
+        x = _randn(7, 1, 3 + 2 * r, D)
+        args = SimpleNamespace(self=layer, hidden_states=x, cache_params=None,
+                               attention_mask=None, kwargs={})  # fmt: skip
+        res["fields"] = {name: repr(f(args)) for name, f in GDN_FORWARD_FIELDS.items()}
+        res["uneven"] = tuple(layer(x).shape)
+        res["protocol"] = caught_inconsistency(
+            lambda: parallelize_gated_deltanet(gdn_layer(), mesh, protocol="p2p" if r else "auto")
+        )
+        res["dtype"] = caught_inconsistency(lambda: layer(x.float() if r else x))
+        table = torch.tensor([0, 3 + r, 8])
+        x4 = _randn(8, 1, 4, D)
+        res["table"] = caught_inconsistency(lambda: layer(x4, cu_seqlens=table))
+    return res
+
+
 def _rank(P: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("cp",))
     r = dist.get_rank()
@@ -207,6 +236,7 @@ def _rank(P: int) -> dict[str, Any]:
     if P == 2:
         out["functional"] = _functional(mesh, r)
         out["errors"] = _errors(mesh)
+        out["consistency"] = _consistency(mesh, r)
     return out
 
 
@@ -279,7 +309,8 @@ ERRORS = {
 def test_parallel_stock_gated_deltanet_equals_serial_output_and_every_gradient(P: int) -> None:
     """Every protocol, grouped value heads, B = 2, short and empty blocks, packed documents
     (cu_seqlens and a sequence context), Qwen3.5's layer; on 2 ranks also the functional form
-    with an initial state and every bad input, raised on every rank before communicating."""
+    with an initial state, every bad input, raised on every rank before communicating, and
+    consistency mode (disagreeing ranks raise the same error everywhere)."""
     ranks = run_distributed(_rank, P, P, timeout=280)
     for i, case in enumerate(CASES[P]):
         _compare([res["layers"][i] for res in ranks], _reference(case, P), (P, *case))
@@ -293,3 +324,14 @@ def test_parallel_stock_gated_deltanet_equals_serial_output_and_every_gradient(P
                 got = errors["raised"][name]
                 assert match in got, f"rank {r}: {name}: expected {match!r}, got {got!r}"
                 assert got == ranks[0]["errors"]["raised"][name]
+        forward = "parallelize_gated_deltanet (Qwen3_5GatedDeltaNet) forward"
+        assert_same_inconsistency(
+            [res["consistency"] for res in ranks],
+            {"protocol": ("protocol", "parallelize_gated_deltanet"), "dtype": ("dtype", forward),
+             "table": ("cu_seqlens", forward)},
+        )  # fmt: skip
+        for r, res in enumerate(ranks):
+            fields = res["consistency"]["fields"]
+            assert not any("Error" in v for v in fields.values()), fields
+            assert fields["layer"] == ranks[0]["consistency"]["fields"]["layer"]
+            assert res["consistency"]["uneven"] == (1, 3 + 2 * r, D)
