@@ -134,18 +134,45 @@ def gather_over(t: Tensor, keep: Sequence[str], name: str, owner: str) -> tuple[
             peers.append(box_of(shape, mshape, c, t.placements, frozenset(gathered)))
         gathered.add(i)
         mine = box_of(shape, mshape, coord, t.placements, frozenset(gathered))
+        if _tiles_dim0(peers, mine) and data.is_contiguous():
+            # equal chunks in rank order along dim 0: gather straight into the result (one
+            # whole tensor alive, not three)
+            out = data.new_empty(mine.shape)
+            comm.start_all_gather(data, 0, g, f"all_gather:{name}", "save", owner, out=out).wait()
+            data = out
+            continue
         top = tuple(max(b.shape[d] for b in peers) for d in range(len(shape)))
         padded = data.new_zeros(top)
         padded[tuple(slice(0, n) for n in data.shape)] = data
+        del data  # its rows are in padded
         parts = comm.start_all_gather(
             padded.unsqueeze(0), 0, g, f"all_gather:{name}", "save", owner
         ).wait()
-        out = data.new_empty(mine.shape)
+        del padded
+        out = parts.new_empty(mine.shape)
         for j, b in enumerate(peers):
             dst = tuple(slice(o - m, o - m + n) for o, m, n in zip(b.offset, mine.offset, b.shape))
             out[dst] = parts[j][tuple(slice(0, n) for n in b.shape)]
+        del parts
         data = out
     return data, box_of(shape, mshape, coord, t.placements, frozenset(gathered))
+
+
+def _tiles_dim0(peers: list[Box], whole: Box) -> bool:
+    """The peers' boxes are equal, in order along dim 0, and together exactly ``whole``."""
+    first = peers[0]
+    rows = first.shape[0] if first.shape else 0
+    return (
+        bool(first.shape)
+        and all(
+            b.shape == first.shape
+            and b.offset[0] == whole.offset[0] + j * rows
+            and b.offset[1:] == whole.offset[1:]
+            for j, b in enumerate(peers)
+        )
+        and rows * len(peers) == whole.shape[0]
+        and first.shape[1:] == whole.shape[1:]
+    )
 
 
 def mesh_device(mesh: Any) -> torch.device:
