@@ -112,7 +112,11 @@ def _share(model: nn.Module, plan: Any, ranks: list[int], me: int) -> dict[str, 
                     slice(o - b, o - b + n)
                     for o, b, n in zip(piece.box.offset, box.offset, piece.box.shape)
                 )
-                mine[piece.key] = data[region].reshape(piece.hub_shape).contiguous().clone()
+                part = data[region].reshape(piece.hub_shape)
+                whole = part.numel() == data.numel() and part.is_contiguous()
+                # the whole gathered tensor is kept as it is (no second copy); a piece of it
+                # is copied out, so the gathered tensor can be freed
+                mine[piece.key] = part if whole else part.contiguous().clone()
         del data
     return mine
 
