@@ -126,7 +126,8 @@ def gather_over(t: Tensor, keep: Sequence[str], name: str, owner: str) -> tuple[
     gathered: set[int] = set()
     shape, mshape = tuple(t.shape), tuple(mesh.mesh.shape)
     for i in reversed(order):
-        g = comm.resolve_group(mesh[names[i]], "gathering a parameter")
+        # the dim's group, not mesh[name]: torch 2.7 cannot slice a sliced mesh (HSDP)
+        g = comm.resolve_group(mesh.get_group(i), "gathering a parameter")
         peers = []
         for j in range(mshape[i]):
             c = list(coord)
