@@ -35,10 +35,6 @@ class Box:
     offset: tuple[int, ...]
     shape: tuple[int, ...]
 
-    @property
-    def slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + n) for o, n in zip(self.offset, self.shape))
-
     def numel(self) -> int:
         n = 1
         for s in self.shape:
