@@ -20,8 +20,8 @@ from hyper_parallel.models.grads import sync_gradients
 from hyper_parallel.models.loss import global_mean_loss
 from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
 from hyper_parallel.models.parallelize import parallelize_model
-from hyper_parallel.models.plan import ParallelPlan, is_model_parallelized
 from hyper_parallel.models.pretrained import LoadReport, from_pretrained, load_report
+from hyper_parallel.models.state import ParallelPlan, is_model_parallelized
 
 __all__ = [
     "IGNORE_INDEX",

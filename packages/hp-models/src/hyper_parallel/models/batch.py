@@ -14,7 +14,7 @@ from torch import Tensor
 from hyper_parallel.dtensor import DeviceMesh, checked_entry, comm
 from hyper_parallel.models.documents import TABLE_KEYS, packed_documents
 from hyper_parallel.models.mesh import check_mesh, cp_tp, sequence_mesh
-from hyper_parallel.models.plan import OWNER
+from hyper_parallel.models.state import OWNER
 
 __all__ = ["IGNORE_INDEX", "gather_sequence", "shard_batch"]
 

@@ -39,8 +39,8 @@ from torch import Tensor, nn
 from hyper_parallel.dtensor import comm
 from hyper_parallel.models.families import FAMILIES
 from hyper_parallel.models.hub import model_tensors
-from hyper_parallel.models.plan import OWNER, plan_of
 from hyper_parallel.models.regions import Box, gather_over, mesh_device
+from hyper_parallel.models.state import OWNER, plan_of
 
 __all__ = ["save_pretrained", "save_pretrained_member"]
 

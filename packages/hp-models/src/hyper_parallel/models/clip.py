@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from hyper_parallel.dtensor import comm
-from hyper_parallel.models.plan import OWNER, plan_of
+from hyper_parallel.models.state import OWNER, plan_of
 
 __all__ = ["clip_grad_norm_"]
 

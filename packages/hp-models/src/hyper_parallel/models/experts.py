@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from hyper_parallel.dtensor import DeviceMesh, comm, unflatten
 from hyper_parallel.dtensor.rewrite import install_forward, parallel_state
-from hyper_parallel.models.plan import OWNER, plan_of
+from hyper_parallel.models.state import OWNER, plan_of
 from hyper_parallel.moe import parallelize_experts, run_experts
 
 __all__ = ["MoEState", "balance_experts", "check_ep", "expert_meshes", "install_moe"]

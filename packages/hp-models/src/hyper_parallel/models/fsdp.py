@@ -76,7 +76,7 @@ from torch import Tensor, nn
 
 from hyper_parallel.dtensor import comm
 from hyper_parallel.models.mesh import SequenceMesh
-from hyper_parallel.models.plan import OWNER
+from hyper_parallel.models.state import OWNER
 
 __all__ = [
     "apply_fsdp",

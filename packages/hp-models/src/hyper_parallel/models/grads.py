@@ -42,7 +42,7 @@ from hyper_parallel.dtensor import checked_entry, comm
 from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import SequenceMesh, reduction_scope
-from hyper_parallel.models.plan import LAYER, OWNER, ParallelPlan, plan_of
+from hyper_parallel.models.state import LAYER, OWNER, ParallelPlan, plan_of
 
 __all__ = ["sync_gradients"]
 

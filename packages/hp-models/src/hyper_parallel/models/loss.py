@@ -23,7 +23,7 @@ from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.models.batch import IGNORE_INDEX
 from hyper_parallel.models.documents import count_tokens, pass_documents
 from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
-from hyper_parallel.models.plan import LAYER, OWNER, ParallelPlan, plan_of
+from hyper_parallel.models.state import LAYER, OWNER, ParallelPlan, plan_of
 
 __all__ = ["global_loss", "global_mean_loss", "parallel_forward", "refuse_generate"]
 

@@ -38,7 +38,7 @@ from hyper_parallel.models.families import ModelFamily, family_of, role_of
 from hyper_parallel.models.fsdp import apply_fsdp, check_mp_policy, fsdp_available
 from hyper_parallel.models.loss import parallel_forward, refuse_generate
 from hyper_parallel.models.mesh import check_mesh, cp_tp, sequence_mesh
-from hyper_parallel.models.plan import LAYER, ParallelPlan
+from hyper_parallel.models.state import LAYER, ParallelPlan
 
 __all__ = ["ParallelPlan", "parallelize_model"]
 

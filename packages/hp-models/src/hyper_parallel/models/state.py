@@ -1,4 +1,4 @@
-"""What :func:`~hyper_parallel.models.parallelize_model` leaves on a model: its plan.
+"""What :func:`~hyper_parallel.models.parallelize_model` leaves on a model: its state.
 
 The model-level forward is installed with hp-dtensor's rewrite (``install_forward``, layer
 name :data:`LAYER`), like every layer's: the model's class becomes a cached subclass whose
