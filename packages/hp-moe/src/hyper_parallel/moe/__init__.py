@@ -3,12 +3,15 @@
 :func:`parallelize_experts` splits the experts of a ``DeepseekV3Experts``-form module
 (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) over a 1-D ep mesh; each rank then calls
 the module on its own tokens and gets what the stock module with every expert gives, forward and
-every gradient. Dispatch and combine are all-to-alls with split sizes (hp-dtensor's ``comm``),
+every gradient. :func:`moe_block_forward` runs a whole stock MoE block (router, split experts,
+shared experts, gated or not, under the first dispatch; :mod:`hyper_parallel.moe.block`).
+Dispatch and combine are all-to-alls with split sizes (hp-dtensor's ``comm``),
 chunked so that they run under the expert GEMMs (:mod:`hyper_parallel.moe.schedule`); the local
 expert work is one backend class per device (:mod:`hyper_parallel.moe.local`).
 """
 
 from hyper_parallel.moe._version import __version__
+from hyper_parallel.moe.block import moe_block_forward, shared_work
 from hyper_parallel.moe.form import FORM, ExpertsShape, experts_shape
 from hyper_parallel.moe.local import IMPLS, LocalExperts, select_impl
 from hyper_parallel.moe.npu_ops import (  # importing it registers the "npu" backend
@@ -53,9 +56,11 @@ __all__ = [
     "experts_parallel_forward",
     "experts_shape",
     "is_experts_parallel",
+    "moe_block_forward",
     "parallelize_experts",
     "run_experts",
     "select_impl",
+    "shared_work",
     "unparallelize_experts",
     "use_npu_ops",
 ]

@@ -1,9 +1,9 @@
 """The stock experts form this layer parallelises, recognised without importing transformers.
 
 The Hugging Face 5.x experts module (``DeepseekV3Experts``, ``KimiLinearExperts``,
-``Qwen3MoeExperts``, ... and any class of the same form) holds every routed expert of one MoE
-layer as two 3-D parameters and computes, for ``hidden [N, H]``, ``top_k_index [N, K]``
-(global expert ids) and ``top_k_weights [N, K]``::
+``Qwen3MoeExperts``, ``Qwen3NextExperts``, ... and any class of the same form) holds every
+routed expert of one MoE layer as two 3-D parameters and computes, for ``hidden [N, H]``,
+``top_k_index [N, K]`` (global expert ids) and ``top_k_weights [N, K]``::
 
     out[n] = Σ_k  w[n, k] · down[e] @ (act(gate_up[e][:I] @ x[n]) * (gate_up[e][I:] @ x[n])),
     e = top_k_index[n, k]
