@@ -40,14 +40,19 @@ __all__ = [
     "LinkedCase",
     "LinkMeasurement",
     "calibrate_link",
+    "available_cores",
     "bench_arguments",
     "bench_record",
     "bytes_per_call",
     "interleaved_timing",
     "launched_by_torchrun",
+    "link_time_split",
+    "link_world",
     "max_over_ranks",
     "measure_under_link",
+    "median_of_runs",
     "peak_memory_bytes",
+    "run_facts",
     "run_ranks",
     "setup_torchrun_process",
     "simulated_link",
@@ -257,6 +262,108 @@ def summary_line(record: dict[str, Any]) -> str:
         f"{record['name']}: ours {record['ours_s'] * 1e3:.2f} ms vs baseline "
         f"{record['baseline_s'] * 1e3:.2f} ms -> ratio {record['ratio']:.3f}x{mem}"
     )
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one, else
+    ``os.cpu_count()``; at least 1)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def link_world(needed: int, requested: int | None = None, *, minimum: int = 2) -> int:
+    """The number of local ranks a modeled-link benchmark starts: ``requested`` when given,
+    else at most one rank per available core (``min(needed, cores)``), never below
+    ``minimum`` (a benchmark that cannot run on fewer ranks runs oversubscribed and says so in
+    its records, :func:`run_facts`)."""
+    if requested is not None:
+        return int(requested)
+    return max(minimum, min(needed, available_cores()))
+
+
+def run_facts(world: int, load: float | None = None) -> dict[str, Any]:
+    """The fields every modeled-link record carries: ``world`` (ranks), ``cores_per_rank``
+    (available cores / ranks), ``load`` (the 1-minute load average at the run's start, ``load``
+    if given) and ``oversubscribed`` (more ranks than cores: each rank's compute, its gloo
+    copies and the other ranks' work then time-share the cores)."""
+    cores = available_cores()
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            load = None
+    return {
+        "world": int(world),
+        "cores": cores,
+        "cores_per_rank": cores / world,
+        "load": load,
+        "oversubscribed": world > cores,
+    }
+
+
+def median_of_runs(
+    runs: list[list[dict[str, Any]]], key: str = "hidden_fraction"
+) -> list[dict[str, Any]]:
+    """Records of R repeated runs (each a list of the same record names, each run interleaving
+    every case) as one list: per name, the record of the run whose ``key`` is the median (the
+    lower median for an even R) with ``key`` set to the median, ``<key>_runs`` the R values in
+    run order and ``runs`` = R. Records without ``key`` come from the first run (with their
+    ``ours_s`` / ``baseline_s`` medians over the runs)."""
+    if len(runs) == 1:
+        return [{**r, "runs": 1} for r in runs[0]]
+    out = []
+    for i, first in enumerate(runs[0]):
+        same = [run[i] for run in runs if i < len(run) and run[i]["name"] == first["name"]]
+        values = [r.get(key) for r in same]
+        if all(isinstance(v, int | float) for v in values):
+            order = sorted(range(len(same)), key=lambda j: values[j])  # type: ignore[arg-type, return-value]
+            pick = dict(same[order[(len(same) - 1) // 2]])
+            pick[key] = statistics.median(values)  # type: ignore[type-var]
+            pick[f"{key}_runs"] = values
+        else:
+            pick = dict(first)
+            for k in ("ours_s", "baseline_s"):
+                pick[k] = statistics.median(r[k] for r in same)
+            pick["ratio"] = pick["ours_s"] / pick["baseline_s"] if pick["baseline_s"] else None
+        pick["runs"] = len(same)
+        out.append(pick)
+    return out
+
+
+def link_time_split(
+    m: LinkMeasurement,
+    ours: str,
+    baseline: str,
+    plain: dict[str, float],
+    chunked: str,
+    unchunked: str,
+) -> dict[str, float]:
+    """How the step of ``ours`` under the link splits, for a hidden fraction short of its
+    target, each part a share of the baseline's modeled link time ``T_link`` (they sum to
+    ``1 - hidden_fraction``): ``split_unhidden_link`` (what ours' own waits slept: the link
+    its schedule did not hide), ``split_chunking_overhead`` (the plain gloo step of
+    ``chunked`` less that of ``unchunked``, both from ``plain``: the cost of the extra, smaller
+    operations) and ``split_copies_cpu`` (the rest: ours' step beyond the baseline's compute,
+    its own sleep and the chunking overhead, mostly gloo's real copies running on the cores
+    ours' compute needs). Beside them ``schedule_hidden_share`` (``1 - slept / T_link`` of
+    ours' own link) and ``copies_blocking_s`` (the baseline's plain step less its compute
+    when the bandwidth was calibrated: the copies' time in a blocking step)."""
+    b, o = m.cases[baseline], m.cases[ours]
+    compute = b.time_s - b.t_link_s  # the baseline's compute under the link (copies hidden)
+    overhead = plain[chunked] - plain[unchunked]
+    out = {
+        "schedule_hidden_share": 1.0 - o.added_s / o.t_link_s if o.t_link_s else float("nan"),
+        "split_unhidden_link": o.added_s / b.t_link_s,
+        "split_chunking_overhead": overhead / b.t_link_s,
+        "split_copies_cpu": (o.time_s - o.added_s - compute - overhead) / b.t_link_s,
+        "split_plain_chunked_s": plain[chunked],
+        "split_plain_unchunked_s": plain[unchunked],
+    }
+    if m.t_step_s is not None and m.t_compute_s is not None:
+        out["copies_blocking_s"] = m.t_step_s - m.t_compute_s
+    return out
 
 
 def write_records(path: str | os.PathLike[str], records: list[dict[str, Any]]) -> None:
