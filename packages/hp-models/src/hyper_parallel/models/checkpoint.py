@@ -37,7 +37,6 @@ import torch
 from torch import Tensor, nn
 
 from hyper_parallel.dtensor import comm
-from hyper_parallel.models.families import FAMILIES
 from hyper_parallel.models.hub import model_tensors
 from hyper_parallel.models.regions import Box, gather_over, mesh_device
 from hyper_parallel.models.state import OWNER, plan_of
@@ -90,7 +89,7 @@ def _is_experts(t: Tensor) -> bool:
 
 def _share(model: nn.Module, plan: Any, ranks: list[int], me: int) -> dict[str, Tensor]:
     """The hub tensors this rank writes (step 1 and 2 of the module docstring)."""
-    fam = next(f for f in FAMILIES if f.name == plan.family)
+    fam = plan.family
     edp = plan.moe.edp_mesh
     holders = ranks if edp is None else [int(r) for r in edp.mesh.flatten().tolist()]
     given = dict.fromkeys(ranks, 0)

@@ -10,7 +10,8 @@ flash-attention offsets ``[0, …, T]``) and ``max_length_q``/``max_length_k``.
 predecessor's plus one) and hands every rank the global offsets as ``cu_seqlens``; the
 parallelised model's forward (:func:`pass_documents`) passes them to every layer: the KDA
 layers (``parallelize_kda``: recurrence and short convolution restart at each start) and the
-MLA layers (``parallelize_mla``: document-causal attention after the exchange); a DeepSeek-V3
+MLA and GQA layers (``parallelize_mla``, ``parallelize_attention``: document-causal attention
+after the exchange), the Gated DeltaNet layers like KDA's; a DeepSeek-V3
 model gets the block's plain causal mask, so Hugging Face does not build its own packed mask
 from the per-document positions (which the context-parallel attention would reject). The
 result equals the serial model run on each document alone: loss, logits and gradients.
@@ -28,13 +29,16 @@ labels (no such all-reduce), the first layer compares it in one of its own colle
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from hyper_parallel.dtensor import SequenceContext, check_documents, comm, sequence_context
 from hyper_parallel.dtensor.fingerprint import SLOTS_PER_GROUP, check_summed, summed_slots
+
+if TYPE_CHECKING:
+    from hyper_parallel.models.families import ModelFamily
 
 __all__ = [
     "TABLE_KEYS",
@@ -98,12 +102,14 @@ def packed_documents(
     return torch.tensor(offsets, dtype=torch.int64, device=batch["input_ids"].device), pos
 
 
-def pass_documents(kwargs: dict[str, Any], family: str, mesh: Any = None) -> Any:
+def pass_documents(kwargs: dict[str, Any], family: ModelFamily, mesh: Any = None) -> Any:
     """The keyword arguments of a parallelised model's call with the documents handed to every
     layer: given ``cu_seqlens`` (from ``shard_batch``) or HF's ``cu_seq_lens_q`` /
     ``cu_seq_lens_k``, the table goes on as ``cu_seqlens`` (the ``max_length_*`` hints are
-    dropped) and, for DeepSeek-V3, the block's plain causal mask ``[1, 1, S, S]`` is passed
-    (see the module docstring). ``kwargs`` is updated in place.
+    dropped), and the masks are set as the family's model takes them
+    (:meth:`~hyper_parallel.models.families.ModelFamily.forward_masks`: every layer type's
+    mask ``None``, or, for a model building its own mask given documents, the block's plain
+    causal mask ``[1, 1, S, S]``; see the module docstring). ``kwargs`` is updated in place.
 
     ``mesh`` (the forward's :class:`~hyper_parallel.models.SequenceMesh`): the table goes on
     as one ``sequence_context`` instead (hp-dtensor's ``SequenceContext`` over the flattened
@@ -116,10 +122,7 @@ def pass_documents(kwargs: dict[str, Any], family: str, mesh: Any = None) -> Any
         if key.startswith("cu_") and table is None:
             table = value
     ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-    if table is not None and family == "deepseek-v3" and isinstance(ids, Tensor):
-        s = ids.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        kwargs["attention_mask"] = causal[None, None]
+    family.forward_masks(kwargs, packed=table is not None)
     if mesh is None:
         if table is not None:
             kwargs["cu_seqlens"] = table

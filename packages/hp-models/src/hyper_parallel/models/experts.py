@@ -145,7 +145,7 @@ def balance_experts(model: nn.Module, rate: float) -> None:
     if rate == float("inf"):
         raise ValueError("balance_experts: rate must be finite")
     state: MoEState = plan.moe
-    paths = [p for p, role in plan.roles.items() if role == "moe"]
+    paths = [p for p, role in plan.roles.items() if role.routed]
     if not paths:
         return
     missing = [p for p in paths if p not in state.counts]

@@ -76,6 +76,7 @@ from torch import Tensor, nn
 
 from hyper_parallel.dtensor import comm
 from hyper_parallel.models.mesh import SequenceMesh
+from hyper_parallel.models.roles import Role
 from hyper_parallel.models.state import OWNER
 
 __all__ = [
@@ -280,7 +281,7 @@ def _set_legacy_sum(module: Any, rs_mesh: Any, dp_mesh: Any = None) -> None:
 def apply_fsdp(
     model: nn.Module,
     base: nn.Module,
-    roles: dict[str, str],
+    roles: dict[str, Role],
     sm: SequenceMesh,
     mp_policy: Any = None,
     edp: Any = None,
@@ -297,16 +298,16 @@ def apply_fsdp(
     wrapped: list[tuple[Any, Any, Any]] = []
     if edp is not None:  # experts split over ep (DTensors on ep): sharded over the edp ranks
         for path, role in roles.items():
-            if role == "moe":
+            if role.routed:
                 experts = base.get_submodule(path).get_submodule("experts")
                 wrapped.append((fully_shard(experts, mesh=edp, **kw), edp, None))
     for path, role in roles.items():  # blocks reduced over another mesh than the layer's
-        if sm.fsdp_mesh_for(role) is not sm.fsdp_mesh:
+        if sm.fsdp_mesh_for(role.scope) is not sm.fsdp_mesh:
             block = base.get_submodule(path)
-            if mode == "sum_op" and sm.dp is not None and sm.fsdp_mesh_for(role) is sm.dp_cp:
+            if mode == "sum_op" and sm.dp is not None and sm.fsdp_mesh_for(role.scope) is sm.dp_cp:
                 wrapped.append((fully_shard(block, mesh=sm.cp, **kw), sm.cp, sm.dp))
             else:
-                mesh = sm.fsdp_mesh_for(role)
+                mesh = sm.fsdp_mesh_for(role.scope)
                 wrapped.append((fully_shard(block, mesh=mesh, **kw), mesh, None))
     for layer in base.get_submodule("layers").children():
         wrapped.append((fully_shard(layer, mesh=sm.fsdp_mesh, **kw), sm.fsdp_mesh, None))

@@ -14,8 +14,9 @@ tokens' share of the loss:
 - a tensor-parallel parameter of an MLP (a DTensor over ``tp``, from hp-mc2: the weight shards
   and the replicated down-projection bias alike) already holds the sum over its ``tp`` group,
   because hp-mc2's backward works on the gradient gathered over ``tp`` (the whole ``cp``
-  chunk): summed over ``cp`` only. Which parameters these are is ``mesh.reduction_scope`` of
-  the block's role, the rule FSDP2's meshes follow too (``SequenceMesh.fsdp_mesh_for``).
+  chunk): summed over ``cp`` only. Which parameters these are is the ``scope`` of the
+  block's role (:class:`~hyper_parallel.models.roles.Role`), the rule FSDP2's meshes follow
+  too (``SequenceMesh.fsdp_mesh_for``).
 
 On a (dp, cp, tp) mesh both sums also run over ``dp`` (the other replicas' rows): whole
 parameters over every rank, tp parameters over ``cp`` then ``dp``.
@@ -41,7 +42,8 @@ from torch.distributed.tensor import DTensor
 from hyper_parallel.dtensor import checked_entry, comm
 from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.models.families import family_of
-from hyper_parallel.models.mesh import SequenceMesh, reduction_scope
+from hyper_parallel.models.mesh import SequenceMesh
+from hyper_parallel.models.roles import Role
 from hyper_parallel.models.state import LAYER, OWNER, ParallelPlan, plan_of
 
 __all__ = ["sync_gradients"]
@@ -51,16 +53,16 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _scopes(model: nn.Module, roles: dict[str, str], ep: int) -> dict[int, str]:
-    """``id(parameter) -> reduction_scope`` of its block's role (the rule FSDP2's meshes
+def _scopes(model: nn.Module, roles: dict[str, Role], ep: int) -> dict[int, str]:
+    """``id(parameter) -> scope`` of its block's role (:attr:`Role.scope`) (the rule FSDP2's meshes
     follow too); parameters outside every role's block are ``"world"``; split experts
     (``ep > 1``) are ``"edp"``: summed over the ranks holding the same experts."""
     _, base = family_of(model)
     scopes: dict[int, str] = {}
     for path, role in roles.items():
         for p in base.get_submodule(path).parameters():
-            scopes[id(p)] = reduction_scope(role)
-        if role == "moe" and ep > 1:
+            scopes[id(p)] = role.scope
+        if role.routed and ep > 1:
             for p in base.get_submodule(path).get_submodule("experts").parameters():
                 scopes[id(p)] = "edp"
     return scopes

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from hyper_parallel.models.regions import Box
 
-__all__ = ["Fused", "HubFolder", "HubLayout", "Piece", "model_tensors"]
+__all__ = ["Fused", "HubFolder", "HubLayout", "Piece", "model_tensors", "per_expert_gate_up_down"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -49,6 +49,20 @@ class Fused:
     parts: tuple[str, ...]
     dim: int = 0
     per_expert: bool = False
+
+
+def per_expert_gate_up_down() -> tuple[Fused, ...]:
+    """The experts as most hub folders store them (DeepSeek-V3, Qwen3-Next, ...): one
+    ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` weight an expert, making the
+    runtime ``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj [E, H, I]``."""
+    return (
+        Fused(
+            "experts.gate_up_proj",
+            ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight"),
+            per_expert=True,
+        ),
+        Fused("experts.down_proj", ("experts.{e}.down_proj.weight",), per_expert=True),
+    )
 
 
 @dataclass(frozen=True)

@@ -188,14 +188,6 @@ def _call_fields(args: Any) -> dict[str, Any]:
     return fields
 
 
-def _mask(family: str) -> dict[str, Any] | None:
-    # Kimi-Linear's model takes a ready {layer type: mask} mapping: no mask is needed under
-    # context parallelism (causal order is kept by the schedules), so none is built
-    if family == "kimi-linear":
-        return {"full_attention": None, "linear_attention": None}
-    return None
-
-
 def parallel_forward(model_class: type) -> Callable[..., Any]:
     """The parallelised model's ``forward``, for hp-dtensor's ``install_forward``: it wraps
     ``model_class``'s own ``forward``; the mesh and options come from the
@@ -213,10 +205,8 @@ def parallel_forward(model_class: type) -> Callable[..., Any]:
         sm, has_loss = plan.mesh, plan.has_loss
         _check_call(args, kwargs, has_loss)
         kwargs["use_cache"] = False
-        mask = _mask(plan.family)
-        if mask is not None:
-            kwargs["attention_mask"] = mask
-        # one sequence context for every layer: the packed documents, validated once
+        # one sequence context for every layer: the packed documents, validated once; the
+        # masks as the family's model takes them
         ctx = pass_documents(kwargs, plan.family, sm)
         targets = kwargs.get("shift_labels") if has_loss else None
         if targets is not None and kwargs.get("labels") is not None:

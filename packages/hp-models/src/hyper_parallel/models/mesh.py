@@ -17,21 +17,10 @@ from functools import cached_property
 
 from hyper_parallel.dtensor import DeviceMesh, comm, flatten
 
-__all__ = ["TP_ROLES", "SequenceMesh", "cp_tp", "reduction_scope", "sequence_mesh"]
+__all__ = ["SequenceMesh", "cp_tp", "sequence_mesh"]
 
 MESH_DIMS = ("cp", "tp")
 DP_MESH_DIMS = ("dp", "cp", "tp")
-# block roles whose parameters are tensor-parallel shards over tp (hp-mc2's MLP): their
-# gradient already holds the sum over tp, so it is reduced over cp (and dp) only
-TP_ROLES = ("dense_mlp",)
-
-
-def reduction_scope(role: str) -> str:
-    """The one rule for which ranks a parameter's gradient is summed over, used by both
-    gradient paths (FSDP2's meshes and ``sync_gradients``' all-reduces): ``"cp"`` (cp, and dp)
-    for a block of a role in :data:`TP_ROLES`, ``"world"`` (every rank of the batch) for every
-    other parameter."""
-    return "cp" if role in TP_ROLES else "world"
 
 
 @dataclass(frozen=True)
@@ -82,9 +71,11 @@ class SequenceMesh:
         """FSDP2's mesh for the whole-on-every-rank parameters: every rank (``batch``)."""
         return self.batch
 
-    def fsdp_mesh_for(self, role: str) -> DeviceMesh:
-        """FSDP2's mesh for a block of ``role``, by :func:`reduction_scope`."""
-        return self.fsdp_mlp_mesh if reduction_scope(role) == "cp" else self.fsdp_mesh
+    def fsdp_mesh_for(self, scope: str) -> DeviceMesh:
+        """FSDP2's mesh for a block whose gradients are summed over ``scope`` (its role's
+        :attr:`~hyper_parallel.models.roles.Role.scope`: ``"cp"`` or ``"world"``): the one rule
+        both gradient paths follow (FSDP2's meshes and ``sync_gradients``' all-reduces)."""
+        return self.fsdp_mlp_mesh if scope == "cp" else self.fsdp_mesh
 
 
 def check_mesh(mesh: object) -> DeviceMesh:

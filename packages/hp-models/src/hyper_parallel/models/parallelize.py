@@ -1,20 +1,15 @@
 """``parallelize_model``: a stock Hugging Face model made tensor + sequence + context parallel
 from outside, in place, by applying the four layers' own entry points block by block.
 
-Plan for a decoder layer on the (cp, tp) mesh (see :mod:`hyper_parallel.models.mesh`):
-
-=====================  =========================================================  ==========
-block                  applied                                                    mesh
-=====================  =========================================================  ==========
-MLA attention          ``hyper_parallel.context_parallel.parallelize_mla``        ``flat``
-KDA layer              ``hyper_parallel.kda.parallelize_kda``                     ``flat``
-dense gated MLP        ``parallelize_module(mlp, tp, MC2GatedMLPParallel())``     ``tp``
-MoE block (ep = 1)     nothing: runs on the local block, parameters replicated    -
-MoE block (ep > 1)     experts: ``hyper_parallel.moe.parallelize_experts``;       ``ep``
-                       the shared experts run under the dispatch
-norms, embeddings,     nothing: per token, on the local block                     -
-LM head
-=====================  =========================================================  ==========
+Each block of a decoder layer (its token mixer and its MLP) plays a
+:class:`~hyper_parallel.models.roles.Role` its family names
+(:mod:`hyper_parallel.models.families`), and the role applies its layer's own entry point on
+the (cp, tp) mesh (:mod:`hyper_parallel.models.mesh`; the table is in
+:mod:`hyper_parallel.models.roles`): MLA and GQA attention (hp-context-parallel), KDA and
+Gated DeltaNet (hp-kda-kernels) over the flattened ``cp·tp`` ranks, dense gated MLPs over
+``tp`` (hp-mc2), the routed experts of MoE blocks over ``ep`` (hp-moe; with ``ep = 1`` the
+MoE block runs on the local block with replicated parameters). Norms, embeddings and the LM
+head run per token on the local block.
 
 Every rank computes a distinct share of every block: no mixer is run twice across ``tp``.
 """
@@ -25,19 +20,18 @@ import functools
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import parallelize_module
 
-from hyper_parallel.context_parallel import STRATEGIES, parallelize_mla
+from hyper_parallel.context_parallel import STRATEGIES
 from hyper_parallel.dtensor import DeviceMesh, checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized
-from hyper_parallel.kda import PROTOCOLS, parallelize_kda
-from hyper_parallel.mc2 import MC2GatedMLPParallel
+from hyper_parallel.kda import PROTOCOLS
 from hyper_parallel.models.checkpoint import save_pretrained_member
 from hyper_parallel.models.experts import MoEState, check_ep, expert_meshes, install_moe
-from hyper_parallel.models.families import ModelFamily, family_of, role_of
+from hyper_parallel.models.families import ModelFamily, family_of
 from hyper_parallel.models.fsdp import apply_fsdp, check_mp_policy, fsdp_available
 from hyper_parallel.models.loss import parallel_forward, refuse_generate
 from hyper_parallel.models.mesh import check_mesh, cp_tp, sequence_mesh
+from hyper_parallel.models.roles import BlockOptions, Role
 from hyper_parallel.models.state import LAYER, ParallelPlan
 
 __all__ = ["ParallelPlan", "parallelize_model"]
@@ -55,13 +49,6 @@ def _layers(base: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def _heads(attn: nn.Module) -> int:
-    for name in ("num_heads", "num_attention_heads"):
-        if isinstance(getattr(attn, name, None), int):
-            return int(getattr(attn, name))
-    return int(getattr(attn, "config").num_attention_heads)  # noqa: B009
-
-
 def _validate(
     model: nn.Module,
     mesh: Any,
@@ -70,7 +57,7 @@ def _validate(
     kda_protocol: str,
     grad_reduction: str,
     ep: Any = 1,
-) -> tuple[ModelFamily, nn.Module, dict[str, str]]:
+) -> tuple[ModelFamily, nn.Module, dict[str, Role]]:
     """Every check, collective-free and identical on every rank."""
     if is_parallelized(model, LAYER):
         raise RuntimeError("parallelize_model was already applied to this model")
@@ -97,19 +84,14 @@ def _validate(
         )
     cp, tp = cp_tp(mesh)
     p = cp * tp
-    roles: dict[str, str] = {}
+    roles: dict[str, Role] = {}
     for i, layer in enumerate(_layers(base)):
-        attn = layer.get_submodule("self_attn")
-        attn_role = role_of(attn, fam)
-        if attn_role == "mla" and _heads(attn) % p:
-            raise ValueError(
-                f"layer {i}: {_heads(attn)} attention heads are not divisible by "
-                f"cp·tp = {cp}·{tp} = {p} (each rank computes H/(cp·tp) heads)"
-            )
-        roles[f"layers.{i}.self_attn"] = attn_role
-        roles[f"layers.{i}.mlp"] = role_of(layer.get_submodule("mlp"), fam)
+        for path, block in fam.layer_blocks(layer, i):
+            role = fam.role_of(block)
+            role.check(block, f"layer {i} ({path})", cp, tp)
+            roles[path] = role
     dp = 1 if mesh.ndim == 2 else mesh.size(0)
-    moe = {path: base.get_submodule(path) for path, role in roles.items() if role == "moe"}
+    moe = {path: base.get_submodule(path) for path, role in roles.items() if role.routed}
     check_ep(ep, dp * p, moe)
     return fam, base, roles
 
@@ -117,9 +99,9 @@ def _validate(
 def _roles(model: nn.Module) -> list[tuple[str, str]]:
     fam, base = family_of(model)
     return sorted(
-        (f"layers.{i}.{name}", role_of(layer.get_submodule(name), fam))
+        (path, fam.role_of(block).name)
         for i, layer in enumerate(_layers(base))
-        for name in ("self_attn", "mlp")
+        for path, block in fam.layer_blocks(layer, i)
     )
 
 
@@ -157,8 +139,9 @@ def parallelize_model(
     mp_policy: Any = None,
     ep: int = 1,
 ) -> nn.Module:
-    """Parallelise a stock ``KimiLinearForCausalLM``/``KimiLinearModel`` or
-    ``DeepseekV3ForCausalLM``/``DeepseekV3Model`` in place over the 2-D ``mesh`` with dims
+    """Parallelise a stock ``KimiLinearForCausalLM``/``KimiLinearModel``,
+    ``DeepseekV3ForCausalLM``/``DeepseekV3Model`` or ``Qwen3NextForCausalLM``/``Qwen3NextModel``
+    in place over the 2-D ``mesh`` with dims
     ``("cp", "tp")`` (sizes may be 1) and return it. A 3-D mesh ``("dp", "cp", "tp")`` adds
     data parallelism: each ``dp`` slice is such a (cp, tp) mesh on its ``B/dp`` rows (see
     :func:`~hyper_parallel.models.shard_batch`); ``out.loss`` is then the loss of the whole
@@ -173,8 +156,10 @@ def parallelize_model(
     serial one. The module tree, parameter objects and ``state_dict`` keys are kept (dense MLP
     weights become DTensors sharded over ``tp``).
 
-    ``mla_strategy`` (``"latent"``/``"expanded"``) and ``overlap`` go to ``parallelize_mla``,
-    ``kda_protocol`` (``"auto"``/``"p2p"``/``"allgather"``/``"grouped"``) to ``parallelize_kda``.
+    ``mla_strategy`` (``"latent"``/``"expanded"``) and ``overlap`` go to ``parallelize_mla``
+    (``overlap`` to ``parallelize_attention`` too), ``kda_protocol``
+    (``"auto"``/``"p2p"``/``"allgather"``/``"grouped"``) to ``parallelize_kda`` and
+    ``parallelize_gated_deltanet``.
 
     ``grad_reduction``: ``"fsdp"`` wraps the blocks with torch's FSDP2 ``fully_shard`` over the
     mesh each block needs (gradients summed during backward, parameters sharded; see
@@ -202,7 +187,7 @@ def parallelize_model(
 
     Raised on every rank alike, before any communication: ``TypeError`` for an unsupported model
     (naming the supported classes) or option type; ``ValueError`` for a mesh without dims
-    ``("cp", "tp")``, MLA heads not divisible by ``cp·tp`` or an unknown option;
+    ``("cp", "tp")``, MLA or GQA heads not divisible by ``cp·tp`` or an unknown option;
     ``RuntimeError`` for a second call on the same model.
 
     Consistency mode (hp-dtensor's README, "Ranks that disagree"): before anything else (so
@@ -219,19 +204,14 @@ def parallelize_model(
     if grad_reduction == "auto":
         grad_reduction = "fsdp" if fsdp_available() else "allreduce"
     sm = sequence_mesh(mesh)
+    options = BlockOptions(mla_strategy, overlap, kda_protocol)
     for path, role in roles.items():
-        block = base.get_submodule(path)
-        if role == "mla":
-            parallelize_mla(block, sm.flat, strategy=mla_strategy, overlap=overlap)
-        elif role == "kda":
-            parallelize_kda(block, sm.flat, protocol=kda_protocol)
-        elif role == "dense_mlp":
-            parallelize_module(block, sm.tp, MC2GatedMLPParallel())
+        role.apply(base.get_submodule(path), sm, options)
     moe = MoEState(ep)
     if ep > 1:
         moe.ep_mesh, moe.edp_mesh = expert_meshes(sm.batch, ep)
-    install_moe(moe, base, [path for path, role in roles.items() if role == "moe"])
-    plan = ParallelPlan(fam.name, sm, grad_reduction, roles, has_loss=base is not model, moe=moe)
+    install_moe(moe, base, [path for path, role in roles.items() if role.routed])
+    plan = ParallelPlan(fam, sm, grad_reduction, roles, has_loss=base is not model, moe=moe)
     # the class keeps its name: Hugging Face derives the saved `architectures` and the loss
     # type from it
     install_forward(model, LAYER, plan, parallel_forward, prefix="", members=_members(type(model)))

@@ -11,12 +11,16 @@ reads the plan from there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from hyper_parallel.dtensor.rewrite import is_parallelized, parallel_state
 from hyper_parallel.models.mesh import SequenceMesh
+
+if TYPE_CHECKING:
+    from hyper_parallel.models.families import ModelFamily
+    from hyper_parallel.models.roles import Role
 
 __all__ = ["LAYER", "OWNER", "ParallelPlan", "is_model_parallelized", "plan_of"]
 
@@ -32,10 +36,10 @@ class ParallelPlan:
     rewrite (``parallel_state(model, "hp-models")``). ``has_loss``: the model computes a loss
     (a ``*ForCausalLM``, not a base model)."""
 
-    family: str
+    family: ModelFamily
     mesh: SequenceMesh
     grad_reduction: str  # "fsdp" or "allreduce"
-    roles: dict[str, str] = field(default_factory=dict)  # module path -> mla/kda/dense_mlp/moe
+    roles: dict[str, Role] = field(default_factory=dict)  # block path (from the base) -> role
     has_loss: bool = True
     moe: Any = None  # experts.MoEState: ep, the ep/edp meshes, the last routing counts
 

@@ -1,5 +1,5 @@
 """Tiny random stock Hugging Face models built in code (no downloads), for tests, examples and
-benchmarks: ``tiny_model("kimi" | "deepseek", seed, dtype, **config overrides)`` and
+benchmarks: ``tiny_model("kimi" | "deepseek" | "qwen3-next", seed, dtype, **config overrides)`` and
 ``random_batch``.
 
 transformers routes Kimi-Linear's KDA (``chunk_kda``) and short convolution to
@@ -19,9 +19,11 @@ import torch
 __all__ = [
     "DEEPSEEK_DEFAULTS",
     "KIMI_DEFAULTS",
+    "QWEN3_NEXT_DEFAULTS",
     "deepseek_config",
     "import_transformers",
     "kimi_config",
+    "qwen3_next_config",
     "random_batch",
     "tiny_model",
 ]
@@ -85,6 +87,37 @@ DEEPSEEK_DEFAULTS: dict[str, Any] = {
 """A 3-layer DeepSeek-V3 with q LoRA: two dense MLP layers, then one MoE layer."""
 
 
+QWEN3_NEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 48,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 24,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "partial_rotary_factor": 0.5,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [0],
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "use_cache": False,
+}
+"""A 4-layer Qwen3-Next: Gated DeltaNet (2 key heads, 4 value heads), gated attention (4 query
+heads, 2 key/value heads), Gated DeltaNet, gated attention; a dense MLP first, then MoE blocks
+with the gated shared expert."""
+
+
 def kimi_config(**overrides: Any) -> Any:
     """``KimiLinearConfig`` from :data:`KIMI_DEFAULTS` updated with ``overrides``."""
     cfg = import_transformers().KimiLinearConfig(**{**KIMI_DEFAULTS, **overrides})
@@ -99,11 +132,18 @@ def deepseek_config(**overrides: Any) -> Any:
     return cfg
 
 
+def qwen3_next_config(**overrides: Any) -> Any:
+    """``Qwen3NextConfig`` from :data:`QWEN3_NEXT_DEFAULTS` updated with ``overrides``."""
+    cfg = import_transformers().Qwen3NextConfig(**{**QWEN3_NEXT_DEFAULTS, **overrides})
+    cfg._experts_implementation = "eager"
+    return cfg
+
+
 def tiny_model(
     kind: str, seed: int = 0, dtype: torch.dtype = torch.float64, **overrides: Any
 ) -> Any:
-    """A stock ``KimiLinearForCausalLM`` (``kind="kimi"``) or ``DeepseekV3ForCausalLM``
-    (``"deepseek"``) with seeded random weights (the same on every rank for the same seed);
+    """A stock ``KimiLinearForCausalLM`` (``kind="kimi"``), ``DeepseekV3ForCausalLM``
+    (``"deepseek"``) or ``Qwen3NextForCausalLM`` (``"qwen3-next"``) with seeded random weights (the same on every rank for the same seed);
     norm weights are perturbed so that every parameter shapes the output."""
     tf = import_transformers()
     torch.manual_seed(seed)
@@ -111,8 +151,10 @@ def tiny_model(
         model = tf.KimiLinearForCausalLM(kimi_config(**overrides))
     elif kind == "deepseek":
         model = tf.DeepseekV3ForCausalLM(deepseek_config(**overrides))
+    elif kind == "qwen3-next":
+        model = tf.Qwen3NextForCausalLM(qwen3_next_config(**overrides))
     else:
-        raise ValueError(f"kind must be 'kimi' or 'deepseek', got {kind!r}")
+        raise ValueError(f"kind must be 'kimi', 'deepseek' or 'qwen3-next', got {kind!r}")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
