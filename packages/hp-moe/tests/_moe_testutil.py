@@ -14,39 +14,70 @@ from hyper_parallel.dtensor import init_device_mesh
 
 TIMEOUT = 120.0
 H, I, E, K = 16, 8, 8, 2  # hidden, expert intermediate, experts, experts per token
-FAMILIES = ("deepseek", "kimi")
+FAMILIES = ("deepseek", "kimi", "qwen3-next")
 
 
-def stock_experts(
-    family: str = "deepseek", experts: int = E, dtype: torch.dtype = torch.float64, seed: int = 0
-) -> nn.Module:
-    """A stock transformers experts module with seeded weights (the same on every rank), run
-    by its eager implementation (the only one with float64 on CPU)."""
+def stock_config(family: str = "deepseek", experts: int = E) -> tuple[Any, Any, Any]:
+    """A tiny transformers config of ``family`` (``deepseek``, ``kimi``, ``qwen3-next``) with
+    ``experts`` routed experts, top-``K`` routing and one shared expert, run by the eager
+    experts implementation (the only one with float64 on CPU); with its experts and MoE block
+    classes."""
     if family == "deepseek":
         from transformers import DeepseekV3Config
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mod
 
-        cfg = DeepseekV3Config(
-            hidden_size=H, moe_intermediate_size=I, n_routed_experts=experts, hidden_act="silu"
-        )
-        cls: Any = DeepseekV3Experts
+        cfg: Any = DeepseekV3Config(
+            hidden_size=H, moe_intermediate_size=I, n_routed_experts=experts, hidden_act="silu",
+            num_experts_per_tok=K, n_group=2, topk_group=1, n_shared_experts=1,
+        )  # fmt: skip
+        classes = (mod.DeepseekV3Experts, mod.DeepseekV3MoE)
     elif family == "kimi":
         from transformers import KimiLinearConfig
-        from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearExperts
+        from transformers.models.kimi_linear import modeling_kimi_linear as mod
 
         cfg = KimiLinearConfig(
-            hidden_size=H, moe_intermediate_size=I, num_experts=experts, hidden_act="silu"
-        )
-        cls = KimiLinearExperts
+            hidden_size=H, moe_intermediate_size=I, num_experts=experts, hidden_act="silu",
+            num_experts_per_tok=K, n_group=2, topk_group=1, num_shared_experts=1,
+        )  # fmt: skip
+        classes = (mod.KimiLinearExperts, mod.KimiLinearMoE)
+    elif family == "qwen3-next":
+        from transformers import Qwen3NextConfig
+        from transformers.models.qwen3_next import modeling_qwen3_next as mod
+
+        cfg = Qwen3NextConfig(
+            hidden_size=H, moe_intermediate_size=I, num_experts=experts, hidden_act="silu",
+            num_experts_per_tok=K, shared_expert_intermediate_size=12,
+        )  # fmt: skip
+        classes = (mod.Qwen3NextExperts, mod.Qwen3NextSparseMoeBlock)
     else:
         raise ValueError(family)
     cfg._experts_implementation = "eager"
-    module = cls(cfg)
+    return cfg, classes[0], classes[1]
+
+
+def _seeded(module: nn.Module, dtype: torch.dtype, seed: int) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
     return module.to(dtype)
+
+
+def stock_experts(
+    family: str = "deepseek", experts: int = E, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> nn.Module:
+    """A stock transformers experts module with seeded weights (the same on every rank)."""
+    cfg, cls, _ = stock_config(family, experts)
+    return _seeded(cls(cfg), dtype, seed)
+
+
+def stock_block(
+    family: str = "deepseek", experts: int = E, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> nn.Module:
+    """A stock transformers MoE block (router, experts, shared expert) with seeded weights (the
+    same on every rank): ``DeepseekV3MoE``, ``KimiLinearMoE``, ``Qwen3NextSparseMoeBlock``."""
+    cfg, _, cls = stock_config(family, experts)
+    return _seeded(cls(cfg), dtype, seed)
 
 
 def routing(

@@ -1,8 +1,8 @@
 """Expert parallelism equals the stock module with every expert, run serially on the tokens of
 the whole ep group: forward, hidden and routing-weight gradients, and each expert's weight
-gradient on its owner (float64), for DeepseekV3Experts and KimiLinearExperts at ep 2 and 4 and
-at ep 2 inside a 4-rank world; skewed routing and a rank without tokens; each rank computes
-its experts' rows and no other; the blocking twin gives the same numbers."""
+gradient on its owner (float64), for DeepseekV3Experts, KimiLinearExperts and Qwen3NextExperts
+at ep 2 and 4 and at ep 2 inside a 4-rank world; skewed routing and a rank without tokens; each
+rank computes its experts' rows and no other; the blocking twin gives the same numbers."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ CASES = {
         ("kimi", 2, [7, 5], 3, "random"),
         ("deepseek", 2, [8, 0], "auto", "random"),
         ("kimi", 2, [5, 6], 2, "skewed"),
+        ("qwen3-next", 2, [7, 4], 2, "random"),
     ],
     4: [
         ("deepseek", 4, [5, 8, 0, 6], 2, "random"),
@@ -45,6 +46,7 @@ CASES = {
         ("kimi", 4, [4, 6, 5, 0], 3, "skewed"),
         ("deepseek", 2, [6, 4], 2, "random"),  # two ep groups of 2 in a 4-rank world
         ("kimi", 2, [0, 7], 1, "skewed"),
+        ("qwen3-next", 4, [6, 0, 5, 4], "auto", "random"),
     ],
 }
 
