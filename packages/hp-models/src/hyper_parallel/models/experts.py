@@ -8,14 +8,15 @@ experts; ``edp`` = the ``dp·cp·tp/ep`` ranks holding the same experts (expert 
 parallelism). Both come from one :func:`hyper_parallel.dtensor.unflatten` of the batch mesh.
 
 Per MoE block (``DeepseekV3MoE`` / ``KimiLinearMoE``: ``gate``, ``experts``,
-``shared_experts``), with ``ep > 1``:
+``shared_experts``; ``Qwen3NextSparseMoeBlock``: the gated ``shared_expert`` and
+``shared_expert_gate``), with ``ep > 1``:
 
 - ``experts``: ``hyper_parallel.moe.parallelize_experts(experts, ep)``; rank r keeps experts
   ``r_ep·E/ep …``; each expert's gradient is summed over its ``edp`` ranks (FSDP2 over ``edp``,
   or ``sync_gradients``' all-reduce over ``edp``); the router and the shared experts stay whole
   on every rank (summed over every rank, like every other whole parameter);
 - the block's forward is the stock one with the shared experts run while the first dispatch
-  is in flight (``hyper_parallel.moe.run_experts(alongside=...)``).
+  is in flight (``hyper_parallel.moe.moe_block_forward``).
 
 With any ``ep`` (1 included) each experts module records the per-expert counts of this rank's
 ``top_k_index`` at every forward; :func:`balance_experts` sums them over the whole batch.
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 from hyper_parallel.dtensor import DeviceMesh, comm, unflatten
 from hyper_parallel.dtensor.rewrite import install_forward, parallel_state
 from hyper_parallel.models.state import OWNER, plan_of
-from hyper_parallel.moe import parallelize_experts, run_experts
+from hyper_parallel.moe import moe_block_forward, parallelize_experts, shared_work
 
 __all__ = ["MoEState", "balance_experts", "check_ep", "expert_meshes", "install_moe"]
 
@@ -102,15 +103,10 @@ class _BlockState:
 def _moe_forward(original: type) -> Any:
     def forward(self: Any, hidden_states: Tensor) -> Tensor:
         st: _BlockState = parallel_state(self, MOE_LAYER)
-        residuals, shape = hidden_states, hidden_states.shape
-        _, top_k_weights, top_k_index = self.gate(hidden_states)
-        _record(st.moe, st.path, top_k_index, num_experts(self))
-        flat = hidden_states.view(-1, shape[-1])
-        out, shared = run_experts(
-            self.experts, flat, top_k_index, top_k_weights,
-            alongside=lambda: self.shared_experts(residuals),
-        )  # fmt: skip
-        return out.view(*shape) + shared
+        experts = num_experts(self)
+        return moe_block_forward(
+            self, hidden_states, on_routing=lambda index: _record(st.moe, st.path, index, experts)
+        )
 
     return forward
 
@@ -123,7 +119,7 @@ def install_moe(state: MoEState, base: nn.Module, moe_paths: list[str]) -> None:
         experts = block.get_submodule("experts")
         if state.ep > 1:
             parallelize_experts(experts, state.ep_mesh)
-        if state.ep > 1 and all(hasattr(block, n) for n in ("gate", "shared_experts")):
+        if state.ep > 1 and shared_work(block) is not None:
             install_forward(block, MOE_LAYER, _BlockState(state, path), _moe_forward, prefix="")
         else:  # the stock block forward calls the experts module: count in a pre-hook
             experts.register_forward_pre_hook(_record_counts(state, path))
