@@ -1,4 +1,4 @@
-"""The README example runs as written and shows what it says."""
+"""The README examples run as written and show what they say."""
 
 from pathlib import Path
 
@@ -15,3 +15,8 @@ def test_readme_example_runs_and_matches_the_serial_module():
         assert line.startswith(f"{rank} ((10, 32), True, True, 4, 40, ["), line
         rows.append(eval(line.split(", 40, ")[1].rstrip(")")))
     assert sum(map(sum, rows)) == 40  # every pair computed once, on its expert's rank
+
+
+def test_readme_block_example_equals_the_stock_qwen3_next_block():
+    lines = run_markdown_example(README, 1).splitlines()
+    assert lines == [f"{rank} ((2, 5, 32), True, True, (10, 2), 40)" for rank in range(2)]
