@@ -19,6 +19,15 @@ too) and writes into ``OUTDIR`` (default ``DIR``)
 - ``DIR/summary.png``: a horizontal bar chart of the ratios (ours / baseline, < 1 is faster)
   with a line at 1.0; simulated rows are hatched and labelled ``[sim]``.
 
+Headline and oversubscribed rows: a record with ``oversubscribed: true`` (more local ranks than
+cores, ``hyper_parallel.dtensor.benchmarking.run_facts``: each rank's compute, its gloo copies
+and the other ranks' work time-share the cores) goes to a second section, "Oversubscribed (N
+ranks on C cores)", one per (N, C), with its own plain and modeled-link tables; the headline
+tables hold the runs at one core per rank or more. A record from before these fields is judged
+by its ``world_size`` against ``RECORDED_CORES`` (the machine docs/bench-records were measured
+on). Modeled-link rows of a repeated run (``--repeat``) show each run's hidden fraction beside
+the median.
+
 A ``DIR/notes.md`` (the machine, its load, what each package's run measured) is appended to
 the markdown as "Run notes". ``nox -s bench`` keeps the records of each package's latest full
 run in ``docs/bench-records/`` and draws ``docs/benchmarks.md`` from all of them, so a package
@@ -37,6 +46,9 @@ from pathlib import Path
 from typing import Any
 
 OUTPUTS = ("summary.json", "summary.md", "summary.png")
+# the cores of the machine the committed records (docs/bench-records) were measured on, for
+# records that predate the ``cores`` / ``oversubscribed`` fields (docs/bench-records/notes.md)
+RECORDED_CORES = 2
 REQUIRED = ("name", "ours_s", "baseline_s")
 
 
@@ -86,13 +98,45 @@ def _bandwidth(bps: Any) -> str:
     return f"{bps:.3g} B/s"
 
 
-def link_markdown(records: list[dict[str, Any]]) -> str:
-    """The "Modeled link (simulation)" table of the records marked ``simulated``."""
+def oversubscription(record: dict[str, Any]) -> tuple[int, int] | None:
+    """``(ranks, cores)`` of a record run with more local ranks than cores, else ``None``."""
+    world = record.get("world", record.get("world_size"))
+    if not isinstance(world, int):
+        return None
+    cores = record.get("cores")
+    if not isinstance(cores, int):
+        per_rank = record.get("cores_per_rank")
+        cores = round(per_rank * world) if isinstance(per_rank, int | float) else RECORDED_CORES
+    over = record.get("oversubscribed")
+    if over is None:
+        over = world > cores
+    return (world, cores) if over else None
+
+
+def _runs(record: dict[str, Any]) -> str:
+    values = record.get("hidden_fraction_runs")
+    if not isinstance(values, list) or len(values) < 2:
+        return "-"
+    return " / ".join(_num(v, ".2f") for v in values)
+
+
+def _per_rank(record: dict[str, Any]) -> str:
+    per_rank = record.get("cores_per_rank")
+    load = record.get("load")
+    text = _num(per_rank, ".2g")
+    return f"{text} (load {load:.1f})" if isinstance(load, int | float) else text
+
+
+def link_markdown(
+    records: list[dict[str, Any]], title: str = "## Modeled link (simulation)"
+) -> str:
+    """The modeled-link table of the records marked ``simulated``, under ``title``."""
     lines = [
         "| package | comparison | ours (ms) | baseline (ms) | ratio (ours / baseline) "
         "| link latency | link bandwidth | T_link (ms/step) | hidden fraction "
-        "| link added to ours (ms/step) | ranks |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| link added to ours (ms/step) | ranks | hidden fraction of each run "
+        "| cores per rank (load) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         latency = r.get("link_latency_s")
@@ -101,10 +145,10 @@ def link_markdown(records: list[dict[str, Any]]) -> str:
             f"| {r['ratio']:.3f}x | {_num(latency * 1e6 if latency is not None else None, '.0f')}"
             f" µs | {_bandwidth(r.get('link_bytes_per_s'))} | {_ms(r.get('t_link_s'))} "
             f"| {_num(r.get('hidden_fraction'), '.2f')} | {_ms(r.get('link_added_ours_s'))} "
-            f"| {r.get('world_size', '-')} |"
+            f"| {r.get('world_size', '-')} | {_runs(r)} | {_per_rank(r)} |"
         )
     return (
-        "## Modeled link (simulation)\n\nNot a measurement of any real interconnect: these runs "
+        f"{title}\n\nNot a measurement of any real interconnect: these runs "
         "use hp-dtensor's `simulated_link`, under which every collective completes no earlier "
         "than launch + latency + bytes / bandwidth; the remaining time is slept in the waiting "
         "thread, so compute issued between a collective's launch and its wait hides it, while a "
@@ -123,17 +167,48 @@ def link_markdown(records: list[dict[str, Any]]) -> str:
 def markdown(records: list[dict[str, Any]], notes: str = "") -> str:
     """The summary: the plain table, the modeled-link table (if any record is simulated) and
     ``notes`` as "Run notes" (if given)."""
-    plain = [r for r in records if not r.get("simulated")]
-    simulated = [r for r in records if r.get("simulated")]
+    headline = [r for r in records if oversubscription(r) is None]
+    plain = [r for r in headline if not r.get("simulated")]
+    simulated = [r for r in headline if r.get("simulated")]
     text = _plain_markdown(plain)
     if simulated:
         text += "\n" + link_markdown(simulated)
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in records:
+        key = oversubscription(r)
+        if key is not None:
+            groups.setdefault(key, []).append(r)
+    for (world, cores), rows in sorted(groups.items()):
+        text += (
+            f"\n## Oversubscribed ({world} ranks on {cores} cores)\n\nMore local ranks than "
+            "cores: each rank's compute, its gloo copies and the other ranks' work time-share "
+            "the cores, so these rows judge the oversubscription as much as the schedule; the "
+            "headline tables above are the runs at one core per rank.\n"
+        )
+        rows_plain = [r for r in rows if not r.get("simulated")]
+        rows_link = [r for r in rows if r.get("simulated")]
+        if rows_plain:
+            text += "\n" + _plain_table(rows_plain)
+        if rows_link:
+            text += "\n" + link_markdown(
+                rows_link, f"### Modeled link (simulation), oversubscribed ({world} ranks on "
+                f"{cores} cores)"
+            )  # fmt: skip
     if notes.strip():
         text += "\n## Run notes\n\n" + notes.strip() + "\n"
     return text
 
 
 def _plain_markdown(records: list[dict[str, Any]]) -> str:
+    return (
+        "# Benchmark summary\n\nratio < 1: ours is faster than the baseline (median of "
+        "interleaved repetitions, one run). Headline tables: runs at one core per rank or more; "
+        "runs with more ranks than cores follow in their own sections, labelled "
+        "oversubscribed.\n\n" + _plain_table(records)
+    )
+
+
+def _plain_table(records: list[dict[str, Any]]) -> str:
     lines = [
         "| package | comparison | ours (ms) | baseline (ms) | ratio (ours / baseline) "
         "| peak mem ours / baseline (MiB) | device | ranks |",
@@ -146,10 +221,7 @@ def _plain_markdown(records: list[dict[str, Any]]) -> str:
             f"{_mib(r.get('peak_mem_baseline'))} | {r.get('device', '-')} "
             f"| {r.get('world_size', '-')} |"
         )
-    return (
-        "# Benchmark summary\n\nratio < 1: ours is faster than the baseline (median of "
-        "interleaved repetitions, one run).\n\n" + "\n".join(lines) + "\n"
-    )
+    return "\n".join(lines) + "\n"
 
 
 def chart(records: list[dict[str, Any]], path: Path, plt: Any) -> None:

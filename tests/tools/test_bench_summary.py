@@ -45,3 +45,44 @@ def test_the_committed_records_render_every_package() -> None:
         "hp-moe",
     }
     assert all(r["ours_s"] > 0 and r["baseline_s"] > 0 for r in records)
+
+
+def _link(name: str, world: int, cores: int, **extra: object) -> dict[str, object]:
+    return {
+        "name": name,
+        "ours_s": 1.0,
+        "baseline_s": 2.0,
+        "simulated": True,
+        "t_link_s": 1.0,
+        "hidden_fraction": 0.8,
+        "world_size": world,
+        "world": world,
+        "cores": cores,
+        "cores_per_rank": cores / world,
+        "load": 0.2,
+        "oversubscribed": world > cores,
+        **extra,
+    }
+
+
+def test_one_core_per_rank_rows_are_the_headline_and_oversubscribed_rows_follow(
+    tmp_path: Path,
+) -> None:
+    rows = [
+        _link("moe/link/ours_auto_vs_blocking", 2, 2, hidden_fraction_runs=[0.79, 0.8, 0.82]),
+        _link("moe/link/ours_auto_vs_blocking_p4", 4, 2),
+        {"name": "old/plain_p4", "ours_s": 1.0, "baseline_s": 2.0, "world_size": 4},
+    ]
+    (tmp_path / "hp-moe.json").write_text(json.dumps(rows))
+    records, _ = bench_summary.load_records(tmp_path)
+    md = bench_summary.markdown(records)
+    head, _, over = md.partition("## Oversubscribed (4 ranks on 2 cores)")
+    assert "`moe/link/ours_auto_vs_blocking`" in head and "0.79 / 0.80 / 0.82" in head
+    assert "1 (load 0.2)" in head
+    assert "ours_auto_vs_blocking_p4" not in head and "old/plain_p4" not in head
+    # the oversubscribed rows (a record predating the fields by its world_size) in their own
+    # plain and link tables
+    assert "`old/plain_p4`" in over and "`moe/link/ours_auto_vs_blocking_p4`" in over
+    assert "### Modeled link (simulation), oversubscribed (4 ranks on 2 cores)" in over
+    assert bench_summary.oversubscription(records[0]) is None
+    assert bench_summary.oversubscription(records[1]) == (4, 2)

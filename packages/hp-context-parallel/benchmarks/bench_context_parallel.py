@@ -26,7 +26,14 @@ under it; ``hidden_fraction`` is
     torchrun --nproc-per-node 2 packages/hp-context-parallel/benchmarks/bench_context_parallel.py \\
         --device cuda --out bench.json
 
-Without torchrun it starts 2 gloo ranks on this machine; under torchrun it uses the launched
+``--repeat R``: each modeled-link table R times (each run interleaving every case), per record
+the median run's figures with ``hidden_fraction_runs``; ``--split``: how each MLA step splits
+(hp-dtensor's ``link_time_split``; the chunking overhead against the one-group pipeline);
+``--link-groups ''`` / ``--link-strategies expanded``: the default alone. Every record carries
+``world``, ``cores_per_rank``, ``load`` and ``oversubscribed``.
+
+Without torchrun it starts min(2, cores) gloo ranks on this machine (one core per rank;
+``--world N`` to choose); under torchrun it uses the launched
 ranks and the device's own backend (NCCL on CUDA, HCCL on NPU). Rank 0 writes the records.
 """
 
@@ -52,8 +59,12 @@ from hyper_parallel.dtensor.benchmarking import (
     bench_arguments,
     bench_record,
     interleaved_timing,
+    link_time_split,
+    link_world,
     measure_under_link,
+    median_of_runs,
     peak_memory_bytes,
+    run_facts,
     run_ranks,
     simulated_link,
     summary_line,
@@ -82,6 +93,7 @@ GATED_KV_HEADS, GATED_HEAD_DIM, GATED_ROTARY = 2, 64, 0.25  # Qwen3-Next's kv he
 # the head-group pipeline, compared under the modeled link: (suffix, head_groups); the
 # ``<strategy>_overlap`` case itself is parallelize_mla's default, head_groups="auto"
 LINK_GROUPS = [("g1", 1), ("g2", 2), ("g4", 4), ("g8", 8)]
+WORLD = 2  # context-parallel ranks; by default at most one per core
 
 
 def _mla_block(cfg: dict[str, Any], rank: int, ws: int) -> tuple[torch.nn.Module, Any]:
@@ -235,8 +247,9 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         if block == "qwen3_next":  # the gated GQA attention: the modeled-link case only
             if cfg["link"]:
                 gated, gated_call = _qwen3_next_block(cfg, rank, ws)
-                records += _gated_link(
-                    cfg, gated.to(device=device, dtype=dtype), gated_call, mesh, x
+                gated = gated.to(device=device, dtype=dtype)
+                records += median_of_runs(
+                    [_gated_link(cfg, gated, gated_call, mesh, x) for _ in range(cfg["repeat"])]
                 )
             continue
         make = _mla_block if block == "mla" else _deepseek_v3_block
@@ -284,14 +297,20 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 f"{s}_overlap": mla_head_groups(models[f"{s}_overlap"], xl).count
                 for s in ("expanded", "latent")
             }
-            records += _measure_link(cfg, block, link_cases, device, groups)
+            # --repeat R: R runs, each interleaving every case; the median run per record
+            records += median_of_runs(
+                [
+                    _measure_link(cfg, block, link_cases, device, groups)
+                    for _ in range(cfg["repeat"])
+                ]
+            )
     return records
 
 
 def _link_groups(cfg: dict[str, Any], ws: int) -> list[tuple[str, Any]]:
     """The head-group counts compared under the link: those dividing the heads per rank."""
     h = cfg["heads"] // ws
-    return [(s, g) for s, g in LINK_GROUPS if h % g == 0]
+    return [(s, g) for s, g in LINK_GROUPS if h % g == 0 and g in cfg["link_groups"]]
 
 
 def _measure_link(
@@ -306,7 +325,7 @@ def _measure_link(
     compute (bandwidth = blocking bytes / blocking step time); all of them interleaved."""
     records = []
     latency = cfg["link_latency"]
-    for strategy in ("expanded", "latent"):
+    for strategy in cfg["link_strategies"]:
         base = f"{strategy}_blocking"
         group_of = {f"{strategy}_overlap": auto_groups[f"{strategy}_overlap"]}
         for suffix, groups in _link_groups(cfg, dist.get_world_size()):
@@ -322,9 +341,18 @@ def _measure_link(
             launches[name] = sum(
                 1 for e in rec.events if e.kind == "launch" and e.phase == "forward"
             )
+        # --split: each case's plain step (no link), for how a short figure's step splits;
+        # the chunking overhead is ours' plain step less the one-group pipeline's
+        one = f"{strategy}_overlap_g1"
+        plain = (
+            interleaved_timing(pair, repeats=cfg["link_repeats"], warmup=1, device=device)
+            if cfg["split"] and one in pair
+            else {}
+        )
         if dist.get_rank() == 0:
             print(f"link {strategy}: blocking {m.calibration_line()}")
         for ours, groups in group_of.items():
+            split = link_time_split(m, ours, base, plain, ours, one) if plain else {}
             records.append(
                 m.record(
                     f"{BLOCKS[block]}/link/{ours}_vs_blocking",
@@ -339,6 +367,7 @@ def _measure_link(
                     heads=cfg["heads"],
                     kv_lora=cfg["kv_lora"],
                     dtype=cfg["dtype"],
+                    **split,
                 )
             )
     return records
@@ -411,7 +440,32 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument(
         "--link-only", action="store_true", help="only the modeled-link comparison (this block)"
     )
+    p.add_argument(
+        "--world", type=int, default=None,
+        help=f"ranks (default: min({WORLD}, the available cores): one core per rank)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repeat", type=int, default=1,
+        help="runs of each modeled-link table, each interleaving every case; records the median",
+    )  # fmt: skip
+    p.add_argument(
+        "--split", action="store_true",
+        help="also the time split of each MLA link record (unhidden link, chunking, copies)",
+    )  # fmt: skip
+    p.add_argument(
+        "--link-strategies", default="expanded,latent",
+        help="comma-separated MLA strategies of the link table (expanded: parallelize_mla's "
+        "default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--link-groups", default="1,2,4,8",
+        help="comma-separated head-group counts of the MLA link table (auto is always added; "
+        "'' for auto alone)",
+    )  # fmt: skip
     a = p.parse_args(argv)
+    link_groups = {int(g) for g in a.link_groups.split(",") if g.strip()}
+    if a.split:
+        link_groups.add(1)  # the split's reference: the one-group pipeline
     # tokens, hidden, heads, kv_lora, q_lora, repeats
     dims = (1024, 512, 8, 128, 192, 3) if a.quick else (4096, 1024, 16, 256, 384, 5)
     cfg = {
@@ -427,7 +481,7 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "v": 64,
         "repeats": a.repeats or dims[5],
         "blocks": (
-            ["mla", "qwen3_next"] if a.link_only else ([a.block] if a.block else list(BLOCKS))
+            [a.block] if a.block else (["mla", "qwen3_next"] if a.link_only else list(BLOCKS))
         ),
         "warmup": 1,
         "link": not a.no_link,
@@ -435,14 +489,22 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "link_latency": a.link_latency,
         "link_tokens": min(a.tokens or dims[0], 1024 if a.quick else 2048),
         "link_repeats": a.repeats or (3 if a.quick else 5),
+        "link_groups": sorted(link_groups),
+        "link_strategies": [t for t in a.link_strategies.split(",") if t.strip()],
+        "world": link_world(WORLD, a.world),
+        "repeat": max(1, a.repeat),
+        "split": a.split,
     }
     return cfg, a.out
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, out = _config(argv)
-    records = run_ranks(_body, cfg, world_size=2, timeout=3600.0)  # a loaded host is slow
+    facts = run_facts(cfg["world"])
+    # a loaded host is slow
+    records = run_ranks(_body, cfg, world_size=cfg["world"], timeout=3600.0)
     if records is not None:  # rank 0 (or the launching process) reports
+        records = [{**r, **facts} for r in records]
         write_records(out, records)
         for record in records:
             if record.get("simulated"):
@@ -450,7 +512,15 @@ def main(argv: list[str] | None = None) -> None:
                     f"{summary_line(record)}  [modeled link: latency "
                     f"{record['link_latency_s'] * 1e6:.0f} us, "
                     f"{record['link_bytes_per_s'] / 1e6:.1f} MB/s, T_link "
-                    f"{record['t_link_s'] * 1e3:.1f} ms, hidden {record['hidden_fraction']:.2f}]"
+                    f"{record['t_link_s'] * 1e3:.1f} ms, hidden {record['hidden_fraction']:.2f}, "
+                    f"runs {[round(v, 2) for v in record.get('hidden_fraction_runs', [])]}]"
+                    + (
+                        f"  split: unhidden {record['split_unhidden_link']:.2f}, chunking "
+                        f"{record['split_chunking_overhead']:.2f}, copies "
+                        f"{record['split_copies_cpu']:.2f}"
+                        if "split_unhidden_link" in record
+                        else ""
+                    )
                 )
                 continue
             print(

@@ -27,13 +27,21 @@
    launches and waits (``exposed_exchange_s``: what compute did not hide) and between them
    (``compute_under_exchange_s``: the compute placed under the exchange). ``--link-only``
    runs sections 6 and 7 alone.
+8. At 4 ranks (cp 4), the stock Hugging Face ``Qwen3NextGatedDeltaNet`` (transformers 5.23;
+   hidden 1024, 8 key and 16 value heads of 128 on an accelerator, the section 5 sizes and T
+   on CPU) under ``parallelize_gated_deltanet`` at each protocol (p2p, allgather, grouped,
+   auto) vs the stock serial layer on the whole sequence, and auto vs each protocol
+   (``kda_gdn_stock_layer_fwd_bwd/P4/*``); ``--no-gated-deltanet`` skips it.
 
     python packages/hp-kda-kernels/benchmarks/bench_kda.py --out bench-results/kda.json [--quick]
     torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/bench_kda.py \
         --device cuda --out ...
 
-Without torchrun it starts gloo ranks on this machine (2, then 4); under torchrun it uses the
-launched ranks and the device's backend. Rank 0 writes the records.
+Without torchrun it starts gloo ranks on this machine (2, then 4; ``--worlds``): section 6
+needs 4 ranks, so on a 2-core host its records (and every other 4-rank record) are marked
+``oversubscribed``; every record carries ``world``, ``cores_per_rank``, ``load`` and
+``oversubscribed``. ``--repeat R``: sections 6 and 7 R times, the median run per record.
+Under torchrun it uses the launched ranks and the device's backend. Rank 0 writes the records.
 """
 
 from __future__ import annotations
@@ -49,12 +57,15 @@ import torch.distributed as dist
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.benchmarking import (
+    available_cores,
     bench_arguments,
     bench_record,
     interleaved_timing,
     launched_by_torchrun,
     measure_under_link,
+    median_of_runs,
     peak_memory_bytes,
+    run_facts,
     run_ranks,
     simulated_link,
     summary_line,
@@ -607,6 +618,100 @@ def bench_stock_layer(cfg: dict[str, Any], device: torch.device) -> list[dict[st
     ]
 
 
+# ---- 8. the stock Gated DeltaNet layer (Qwen3-Next), parallelized ----------------------------
+GDN_PROTOCOLS = ("p2p", "allgather", "grouped", "auto")
+
+
+def _stock_gdn_layer(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """A stock ``Qwen3NextGatedDeltaNet`` on its PyTorch path (hidden ``stock_hidden``,
+    ``stock_heads`` key heads and twice as many value heads of 128, convolution 4), HF's
+    initialisation with a slow decay (the state carries across blocks)."""
+    from transformers import Qwen3NextConfig
+
+    from hyper_parallel.kda.testing import import_torch_path
+
+    name = "transformers.models.qwen3_next.modeling_qwen3_next"
+    qwen = import_torch_path(name) if device.type == "cpu" else importlib.import_module(name)
+    H = cfg["stock_heads"]
+    config = Qwen3NextConfig(
+        hidden_size=cfg["stock_hidden"], num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, linear_num_key_heads=H, linear_num_value_heads=2 * H,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = qwen.Qwen3NextGatedDeltaNet(config, layer_idx=0)
+    with torch.no_grad():
+        layer.A_log.uniform_(1.0, 16.0).log_()
+        layer.dt_bias.uniform_(-7.0, -2.3)
+    return layer.to(device)
+
+
+def bench_gated_deltanet(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    """``parallelize_gated_deltanet`` on the stock Qwen3-Next Gated DeltaNet layer at each
+    protocol (forward + backward of the rank's block) vs the stock serial layer on the whole
+    sequence (rank 0 only), all interleaved; records ``kda_gdn_stock_layer_fwd_bwd/P<P>/
+    <protocol>_vs_serial`` and, per protocol, ``.../<protocol>_vs_auto``."""
+    from hyper_parallel.kda import parallelize_gated_deltanet
+
+    P, r = dist.get_world_size(), dist.get_rank()
+    T, D = cfg["stock_T"], cfg["stock_hidden"]
+    mesh = init_device_mesh(device.type, (P,), mesh_dim_names=("cp",))
+    serial = _stock_gdn_layer(cfg, device)
+    layers = {
+        proto: parallelize_gated_deltanet(copy.deepcopy(serial), mesh, protocol=proto)
+        for proto in GDN_PROTOCOLS
+    }
+    x = torch.randn(1, T, D, generator=torch.Generator().manual_seed(1)).to(device)
+    block = x[:, T * r // P : T * (r + 1) // P].contiguous()
+
+    def step(layer: torch.nn.Module, inp: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            layer.zero_grad(set_to_none=True)
+            layer(inp.detach().requires_grad_()).sum().backward()
+
+        return run
+
+    cases = {proto: step(layer, block) for proto, layer in layers.items()}
+    cases["serial"] = step(serial, x) if r == 0 else (lambda: None)
+    times = interleaved_timing(cases, repeats=cfg["stock_repeats"], warmup=1, device=device)
+    mem = {n: peak_memory_bytes(fn, device) for n, fn in cases.items()}
+    shapes = dict(hidden=D, key_heads=cfg["stock_heads"], value_heads=2 * cfg["stock_heads"],
+                  head_dim=128, T=T, dtype="fp32")  # fmt: skip
+    serial_what = "stock Qwen3NextGatedDeltaNet (on CPU its PyTorch path), whole sequence"
+    records = []
+    for proto in GDN_PROTOCOLS:
+        records.append(
+            bench_record(
+                f"kda_gdn_stock_layer_fwd_bwd/P{P}/{proto}_vs_serial",
+                times[proto],
+                times["serial"],
+                peak_mem_ours=mem[proto],
+                peak_mem_baseline=mem["serial"] if r == 0 else None,
+                device=device.type,
+                protocol=proto,
+                parallel_efficiency=times["serial"] / (P * times[proto]),
+                serial=serial_what,
+                **shapes,
+            )
+        )
+    for proto in GDN_PROTOCOLS[:-1]:
+        records.append(
+            bench_record(
+                f"kda_gdn_stock_layer_fwd_bwd/P{P}/auto_vs_{proto}",
+                times["auto"],
+                times[proto],
+                peak_mem_ours=mem["auto"],
+                peak_mem_baseline=mem[proto],
+                device=device.type,
+                protocol="auto",
+                baseline_protocol=proto,
+                **shapes,
+            )
+        )
+    return records
+
+
 # ---- 4. Triton kernels (CUDA only) ---------------------------------------------------------
 def bench_kernels(cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
     from hyper_parallel.kda import affine_merge
@@ -637,17 +742,28 @@ def bench_kernels(cfg: dict[str, Any], device: torch.device) -> list[dict[str, A
 def _ranks_body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     device = torch.device(cfg["device"])
     P = dist.get_world_size()
+
+    # --repeat R: the modeled-link sections R times, each run interleaving its cases; per
+    # record the median run's figures
+    def exchange_link() -> list[dict[str, Any]]:
+        return median_of_runs([bench_exchange_link(cfg, device) for _ in range(cfg["repeat"])])
+
+    def layer_overlap() -> list[dict[str, Any]]:
+        return median_of_runs([bench_layer_overlap(cfg, device) for _ in range(cfg["repeat"])])
+
     if cfg["link_only"]:
-        records = bench_exchange_link(cfg, device) if P == 4 else []
-        return records + bench_layer_overlap(cfg, device)
+        records = exchange_link() if P == 4 else []
+        return records + layer_overlap()
     records = bench_exchange(cfg, device)
     if P == 4 and cfg["link"]:
-        records += bench_exchange_link(cfg, device)
+        records += exchange_link()
     if P == 2:
         records += bench_layer(cfg, device)
     if cfg["link"]:
-        records += bench_layer_overlap(cfg, device)
+        records += layer_overlap()
     records += bench_stock_layer(cfg, device)
+    if P == 4 and cfg["gated_deltanet"]:  # cp 4 (oversubscribed on a 2-core host)
+        records += bench_gated_deltanet(cfg, device)
     return records
 
 
@@ -658,6 +774,19 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--link-heads", type=int, default=1, help="heads H of the link comparison")
     p.add_argument("--no-link", action="store_true", help="skip the modeled-link comparison")
     p.add_argument("--link-only", action="store_true", help="only sections 6 and 7")
+    p.add_argument(
+        "--no-gated-deltanet", action="store_true",
+        help="skip section 8 (the stock Qwen3-Next Gated DeltaNet layer at 4 ranks)",
+    )  # fmt: skip
+    p.add_argument(
+        "--worlds", default="2,4",
+        help="comma-separated rank counts (sections 2, 5-7; section 6 needs 4): more ranks than "
+        "cores run oversubscribed, and their records say so",
+    )  # fmt: skip
+    p.add_argument(
+        "--repeat", type=int, default=1,
+        help="runs of the modeled-link sections, each interleaving its cases; records the median",
+    )  # fmt: skip
     a = p.parse_args(argv)
     if a.quick:
         cfg = dict(summary_T=256, summary_H=2, heads=8, layer_T=512, layer_H=1, repeats=3)
@@ -678,6 +807,9 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         link_only=a.link_only,
         link_latency=a.link_latency,
         link_bytes_per_s=a.link_bandwidth,
+        worlds=[int(w) for w in a.worlds.split(",") if w.strip()],
+        gated_deltanet=not a.no_gated_deltanet,
+        repeat=max(1, a.repeat),
     )
     return cfg, a.out
 
@@ -701,8 +833,12 @@ def main(argv: list[str] | None = None) -> None:
         records = run_ranks(_torchrun_body, cfg)
     else:
         records = [] if cfg["link_only"] else bench_summary(cfg)
-        for P in (2, 4):
-            records += run_ranks(_ranks_body, cfg, world_size=P, timeout=900.0) or []
+        if cfg["worlds"] and max(cfg["worlds"]) > available_cores():
+            print(f"note: {max(cfg['worlds'])} ranks on {available_cores()} cores: oversubscribed")
+        for P in cfg["worlds"]:
+            facts = run_facts(P)
+            ranks = run_ranks(_ranks_body, cfg, world_size=P, timeout=900.0) or []
+            records += [{**r, **facts} for r in ranks]
     if records is not None:
         write_records(out, records)
         for record in records:

@@ -30,10 +30,17 @@ step (without the link) beside each. The MLP block's link table also has the fus
 ``fused_auto``) beside the separate column + row styles, against the same baseline.
 
     python packages/hp-mc2/benchmarks/bench_mc2.py --out bench-results/mc2.json [--quick]
-        [--link-only]
+        [--link-only] [--world N] [--repeat R] [--split] [--link-chunks LIST]
     torchrun --nproc-per-node 2 packages/hp-mc2/benchmarks/bench_mc2.py --device cuda --out ...
 
-Without torchrun it starts 2 gloo ranks on this machine; under torchrun it uses the launched
+``--repeat R``: each modeled-link table R times (each run interleaving every case), per record
+the median run's figures with ``hidden_fraction_runs``; ``--split``: how each step splits
+(hp-dtensor's ``link_time_split``; the chunking overhead against the same style at one chunk);
+``--link-chunks ''``: ``auto`` alone. Every record carries ``world``, ``cores_per_rank``,
+``load`` and ``oversubscribed``.
+
+Without torchrun it starts min(2, cores) gloo ranks on this machine (one core per rank;
+``--world N`` to choose); under torchrun it uses the launched
 ranks and the device's own backend (NCCL on CUDA, HCCL on NPU). Rank 0 writes the records.
 """
 
@@ -62,8 +69,12 @@ from hyper_parallel.dtensor.benchmarking import (
     bench_record,
     bytes_per_call,
     interleaved_timing,
+    link_time_split,
+    link_world,
     measure_under_link,
+    median_of_runs,
     peak_memory_bytes,
+    run_facts,
     run_ranks,
     summary_line,
     synchronize,
@@ -79,6 +90,7 @@ from hyper_parallel.mc2 import (
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LINK_CHUNKS = (1, 2, 4, 8, 16)  # the chunk counts the modeled-link table compares (+ auto)
+WORLD = 2  # ranks (tensor parallel degree); by default at most one per core
 
 
 class MLP(nn.Module):
@@ -215,26 +227,56 @@ def _link_records(
     **extra: Any,
 ) -> list[dict[str, Any]]:
     """Each of ``ours`` (record name -> case) vs the blocking ``baseline``, interleaved under
-    one modeled link whose bytes per step take as long as the baseline's step without it."""
+    one modeled link whose bytes per step take as long as the baseline's step without it.
+    ``cfg["repeat"]`` runs of it (each interleaving every case), the median run's figures per
+    record; with ``cfg["split"]`` each record also carries how ours' step splits
+    (``link_time_split``: the chunking overhead is ours' plain step at its chunks less the
+    same style's at one chunk)."""
     run = {baseline: cases[baseline], **{a: cases[a] for a in ours.values()}}
-    m = measure_under_link(
-        run, baseline, latency_s=cfg["link_latency"], repeats=cfg["repeats"], device=device
-    )
     # the peak memory of one step without the link, beside each
     peaks = {case: allocator_peak_bytes(fn, device) for case, fn in run.items()}
-    if dist.get_rank() == 0:
-        print(f"link for {baseline}: {m.calibration_line()}")
-    return [
-        m.record(
-            name,
-            a,
-            device=device.type,
-            peak_mem_ours=peaks[a],
-            peak_mem_baseline=peaks[baseline],
-            **{"repeats": cfg["repeats"], **extra},
+    runs = []
+    for _ in range(cfg["repeat"]):
+        m = measure_under_link(
+            run, baseline, latency_s=cfg["link_latency"], repeats=cfg["repeats"], device=device
         )
-        for name, a in ours.items()
-    ]
+        plain = {}
+        if cfg["split"]:
+            plain = interleaved_timing(
+                {**run, **{_unchunked(a): cases[_unchunked(a)] for a in ours.values()}},
+                repeats=cfg["repeats"], warmup=1, device=device,
+            )  # fmt: skip
+        if dist.get_rank() == 0:
+            print(f"link for {baseline}: {m.calibration_line()}")
+        runs.append(
+            [
+                m.record(
+                    name,
+                    a,
+                    device=device.type,
+                    peak_mem_ours=peaks[a],
+                    peak_mem_baseline=peaks[baseline],
+                    **{
+                        "repeats": cfg["repeats"],
+                        **extra,
+                        **(
+                            link_time_split(m, a, baseline, plain, a, _unchunked(a))
+                            if plain
+                            else {}
+                        ),
+                    },
+                )
+                for name, a in ours.items()
+            ]
+        )
+    return median_of_runs(runs)
+
+
+def _unchunked(case: str) -> str:
+    """The same style's one-chunk case (the chunking overhead's reference)."""
+    if case.startswith("gated_ours"):
+        return "gated_ours_chunks1"
+    return "fused_chunks1" if case.startswith("fused") else "ours_chunks1"
 
 
 def _records(
@@ -477,14 +519,30 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--ffn", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--block", default="both", choices=["mlp", "gated", "both"])
+    p.add_argument(
+        "--world", type=int, default=None,
+        help=f"ranks (default: min({WORLD}, the available cores): one core per rank)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repeat", type=int, default=1,
+        help="runs of each modeled-link table, each interleaving every case; records the median",
+    )  # fmt: skip
+    p.add_argument(
+        "--split", action="store_true",
+        help="also the time split of each link record (unhidden link, chunking, copies)",
+    )  # fmt: skip
     p.add_argument("--link-latency", type=float, default=20e-6, help="modeled link latency (s)")
     p.add_argument("--no-link", action="store_true", help="skip the modeled-link comparisons")
     p.add_argument("--link-only", action="store_true", help="only the modeled-link comparisons")
     p.add_argument(
         "--link-chunks", default=",".join(map(str, LINK_CHUNKS)),
-        help="comma-separated chunk counts of the modeled-link table (auto is always added)",
+        help="comma-separated chunk counts of the modeled-link table (auto is always added; "
+        "'' for auto alone)",
     )  # fmt: skip
     a = p.parse_args(argv)
+    link_chunks = {int(c) for c in a.link_chunks.split(",") if c.strip()}
+    if a.split:
+        link_chunks.add(1)  # the split's reference: each style at one chunk
     quick = (1024, 512, 2048, 3) if a.quick else (4096, 1024, 4096, 5)
     gated = (1024, 512, 1408) if a.quick else (4096, 1024, 2816)
     cfg = {
@@ -501,16 +559,21 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "warmup": 1,
         "link": not a.no_link,
         "link_only": a.link_only and not a.no_link,
-        "link_chunks": sorted({int(c) for c in a.link_chunks.split(",")}),
+        "link_chunks": sorted(link_chunks),
         "link_latency": a.link_latency,
+        "world": link_world(WORLD, a.world),
+        "repeat": max(1, a.repeat),
+        "split": a.split,
     }
     return cfg, a.out
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, out = _config(argv)
-    records = run_ranks(_body, cfg, world_size=2, timeout=3600.0)
+    facts = run_facts(cfg["world"])
+    records = run_ranks(_body, cfg, world_size=cfg["world"], timeout=3600.0)
     if records is not None:  # rank 0 (or the launching process) reports
+        records = [{**r, **facts} for r in records]
         write_records(out, records)
         for record in records:
             if record.get("simulated"):
@@ -518,7 +581,15 @@ def main(argv: list[str] | None = None) -> None:
                     f"{summary_line(record)}  [modeled link: latency "
                     f"{record['link_latency_s'] * 1e6:.0f} us, "
                     f"{record['link_bytes_per_s'] / 1e6:.1f} MB/s, T_link "
-                    f"{record['t_link_s'] * 1e3:.1f} ms, hidden {record['hidden_fraction']:.2f}]"
+                    f"{record['t_link_s'] * 1e3:.1f} ms, hidden {record['hidden_fraction']:.2f}, "
+                    f"runs {[round(v, 2) for v in record.get('hidden_fraction_runs', [])]}]"
+                    + (
+                        f"  split: unhidden {record['split_unhidden_link']:.2f}, chunking "
+                        f"{record['split_chunking_overhead']:.2f}, copies "
+                        f"{record['split_copies_cpu']:.2f}"
+                        if "split_unhidden_link" in record
+                        else ""
+                    )
                 )
                 continue
             print(

@@ -1,14 +1,17 @@
 """One stock Hugging Face MoE experts module (``DeepseekV3Experts``: E = 16 experts, top-4,
 float32; 1024 tokens per rank, hidden 256, expert intermediate 512; ``--quick``: 512 tokens,
-intermediate 256), forward + backward, on 4 ranks, every case of a part in one run,
-interleaved, median of the repetitions. The intermediate size is above the hidden size on
-purpose: the bytes exchanged grow with H and the expert work with H·I, and on a CPU gloo's real
-copies of those bytes run on the same cores as the GEMMs, so a larger I keeps them a smaller
-part of the step (under the modeled link below they still slow ours' overlapped step, not the
-blocking twin's, whose waits cover them):
+intermediate 256), forward + backward, on ``min(4, available cores)`` ranks (one core per rank:
+2 on a 2-core host; ``--world N`` to choose; more ranks than cores run oversubscribed, and the
+records say so: ``world``, ``cores_per_rank``, ``load``, ``oversubscribed``), every case of a
+part in one run, interleaved, median of the repetitions. The intermediate size is above the
+hidden size on purpose: the bytes exchanged grow with H and the expert work with H·I, and on a
+CPU gloo's real copies of those bytes run on the same cores as the GEMMs, so a larger I keeps
+them a smaller part of the step (under the modeled link below they still slow ours' overlapped
+step, not the blocking twin's, whose waits cover them):
 
-1. **ep = 4 vs the experts whole on every rank** (``ep = 1``: the stock module, all E experts
-   on every rank, each rank on its own tokens; what a user without expert parallelism runs):
+1. **ep = P (the ranks) vs the experts whole on every rank** (``ep = 1``: the stock module,
+   all E experts on every rank, each rank on its own tokens; what a user without expert
+   parallelism runs):
    ours (``parallelize_experts(experts, ep_mesh)``, every option ``"auto"``), and ours with
    ``impl="grouped_mm"`` (the local kernel transformers' grouped_mm forward uses, so that the
    parallelism and the local kernel can be read apart).
@@ -37,7 +40,12 @@ blocking twin's, whose waits cover them):
    chunks = 1, 2, 4, 8, 16 (``overlap=True``), each against its blocking twin
    (``overlap=False``, the same chunks: the same operations, every exchange waited at once),
    all interleaved under one link whose bandwidth is chosen (``calibrate_link``) so that the
-   blocking one-chunk step's bytes take as long as its compute; latency 20 µs. Records
+   blocking one-chunk step's bytes take as long as its compute; latency 20 µs. ``--repeat R``
+   runs the whole part R times (each run interleaving every case) and records, per record, the
+   median run's figures with ``hidden_fraction_runs`` (the R values); ``--split`` adds how
+   each step splits (hp-dtensor's ``link_time_split``: ``split_unhidden_link``,
+   ``split_chunking_overhead`` against the blocking one-chunk step, ``split_copies_cpu``).
+   ``--link-chunks ''`` runs ``auto`` alone. Records
    ``moe_experts_fwd_bwd/link/ours_<auto|chunksC>_vs_blocking``:
    ``hidden_fraction = (T_blocking − T_overlap) / T_link``, ``T_link`` the blocking twin's
    modeled link seconds per step; ``ceiling = 1 − 1/C``, the schedule's own (the first
@@ -51,11 +59,11 @@ blocking twin's, whose waits cover them):
    blocking compute in the run itself).
 
     python packages/hp-moe/benchmarks/bench_moe.py --out bench-results/hp-moe.json [--quick]
-        [--no-link | --link-only]
+        [--no-link | --link-only] [--world N] [--repeat R] [--split] [--link-chunks LIST]
     torchrun --nproc-per-node 4 packages/hp-moe/benchmarks/bench_moe.py --device cuda --out ...
 
-Without torchrun it starts 4 gloo ranks on this machine (one intra-op thread each); under
-torchrun it uses the launched ranks and the device's own backend. Rank 0 writes the records.
+Without torchrun it starts min(4, cores) gloo ranks on this machine (one intra-op thread each);
+under torchrun it uses the launched ranks and the device's own backend. Rank 0 writes the records.
 """
 
 from __future__ import annotations
@@ -78,9 +86,13 @@ from hyper_parallel.dtensor.benchmarking import (
     bench_record,
     bytes_per_call,
     interleaved_timing,
+    link_time_split,
+    link_world,
     max_over_ranks,
     measure_under_link,
+    median_of_runs,
     peak_memory_bytes,
+    run_facts,
     run_ranks,
     summary_line,
     write_records,
@@ -89,7 +101,7 @@ from hyper_parallel.dtensor.comm import all_to_all_v_bytes, link_bytes
 from hyper_parallel.moe import __version__, experts_info, parallelize_experts
 
 PREFIX = "moe_experts_fwd_bwd"
-WORLD = 4
+WORLD = 4  # the ranks the benchmark was written for; by default at most one per core
 LINK_CHUNKS = (1, 2, 4, 8, 16)  # the chunk counts of the modeled-link table (+ auto)
 HF_IMPL = "grouped_mm"  # what transformers resolves for a model on CPU (see the docstring)
 
@@ -240,10 +252,11 @@ def _auto_choice(model: nn.Module) -> dict[str, Any]:
 # ---- parts 1 and 2: plain gloo -----------------------------------------------------------------
 def _plain(b: _Bench) -> list[dict[str, Any]]:
     cfg, device = b.cfg, b.device
+    ep = f"ep{dist.get_world_size()}"
     models = {
-        "ours_auto_ep4": b.ours(),
-        "ours_grouped_mm_ep4": b.ours(impl="grouped_mm"),
-        "hf_all_to_all_ep4": b.hf(),
+        f"ours_auto_{ep}": b.ours(),
+        f"ours_grouped_mm_{ep}": b.ours(impl="grouped_mm"),
+        f"hf_all_to_all_{ep}": b.hf(),
         "stock_ep1": b.stock(),
     }
     cases = {name: b.case(m) for name, m in models.items()}
@@ -257,14 +270,14 @@ def _plain(b: _Bench) -> list[dict[str, Any]]:
         by_op[name] = counter.by_op
         params[name] = max_over_ranks(float(_expert_param_bytes(models[name])))
     # the cross-check of ours' count
-    sim_bytes = max_over_ranks(float(bytes_per_call(cases["ours_auto_ep4"])))
-    auto = {f"auto_{k}": v for k, v in _auto_choice(models["ours_auto_ep4"]).items()}
-    gm = _auto_choice(models["ours_grouped_mm_ep4"])
+    sim_bytes = max_over_ranks(float(bytes_per_call(cases[f"ours_auto_{ep}"])))
+    auto = {f"auto_{k}": v for k, v in _auto_choice(models[f"ours_auto_{ep}"]).items()}
+    gm = _auto_choice(models[f"ours_grouped_mm_{ep}"])
     pairs = [
-        ("ours_auto_ep4_vs_stock_ep1", "ours_auto_ep4", "stock_ep1"),
-        ("ours_grouped_mm_ep4_vs_stock_ep1", "ours_grouped_mm_ep4", "stock_ep1"),
-        ("ours_auto_vs_hf_all_to_all_ep4", "ours_auto_ep4", "hf_all_to_all_ep4"),
-        ("ours_grouped_mm_vs_hf_all_to_all_ep4", "ours_grouped_mm_ep4", "hf_all_to_all_ep4"),
+        (f"ours_auto_{ep}_vs_stock_ep1", f"ours_auto_{ep}", "stock_ep1"),
+        (f"ours_grouped_mm_{ep}_vs_stock_ep1", f"ours_grouped_mm_{ep}", "stock_ep1"),
+        (f"ours_auto_vs_hf_all_to_all_{ep}", f"ours_auto_{ep}", f"hf_all_to_all_{ep}"),
+        (f"ours_grouped_mm_vs_hf_all_to_all_{ep}", f"ours_grouped_mm_{ep}", f"hf_all_to_all_{ep}"),
     ]
     return [
         bench_record(
@@ -282,9 +295,9 @@ def _plain(b: _Bench) -> list[dict[str, Any]]:
             bytes_per_step_baseline=int(moved[bl]),
             bytes_by_op_ours=by_op[a],
             bytes_by_op_baseline=by_op[bl],
-            bytes_per_step_ours_simulated_link=int(sim_bytes) if a == "ours_auto_ep4" else None,
-            ours_chunks=gm["chunks"] if a == "ours_grouped_mm_ep4" else auto["auto_chunks"],
-            ours_impl=gm["impl"] if a == "ours_grouped_mm_ep4" else auto["auto_impl"],
+            bytes_per_step_ours_simulated_link=int(sim_bytes) if a == f"ours_auto_{ep}" else None,
+            ours_chunks=gm["chunks"] if a == f"ours_grouped_mm_{ep}" else auto["auto_chunks"],
+            ours_impl=gm["impl"] if a == f"ours_grouped_mm_{ep}" else auto["auto_impl"],
             repeats=cfg["repeats"],
             load_avg_end=_loadavg(),
             **auto,
@@ -332,6 +345,16 @@ def _link(b: _Bench) -> list[dict[str, Any]]:
     bound = 1.0 - max(0.0, 0.5 * t_rel - forward_share) / t_rel
     peak = {name: max_over_ranks(float(peak_memory_bytes(fn, device))) for name, fn in
             plain.items()}  # fmt: skip
+    # --split: the plain gloo steps of the blocking twins, for how a short figure's step splits
+    # (link_time_split: the link ours' schedule did not hide, the chunking overhead, the copies)
+    blocking = sorted(set(twin.values()) | {"blocking_chunks1"})
+    no_link = (
+        interleaved_timing(
+            {n: plain[n] for n in blocking}, repeats=cfg["link_repeats"], warmup=1, device=device
+        )
+        if cfg["split"]
+        else {}
+    )
     if dist.get_rank() == 0:
         print(
             f"link: blocking 1-chunk {m.calibration_line()}; auto: "
@@ -357,8 +380,6 @@ def _link(b: _Bench) -> list[dict[str, Any]]:
                 peak_mem_ours=int(peak[name]),
                 peak_mem_baseline=int(peak[base]),
                 link_scale=cfg["link_scale"],
-                # what ours' own schedule hid of ours' link: 1 - (its waits' sleep) / T_link
-                schedule_hidden_share=1.0 - ours_link.added_s / ours_link.t_link_s,
                 ceiling=ceiling,
                 forward_share=forward_share,
                 t_forward_blocking_s=t_fwd,
@@ -366,6 +387,15 @@ def _link(b: _Bench) -> list[dict[str, Any]]:
                 bound_any_schedule=bound,
                 # the goal: 0.8 hidden, or within 0.05 of the schedule's ceiling
                 meets_goal=bool(hidden >= 0.8 or hidden >= ceiling - 0.05),
+                **{
+                    # what ours' own schedule hid of ours' link: 1 - (its waits' sleep) / T_link
+                    "schedule_hidden_share": 1.0 - ours_link.added_s / ours_link.t_link_s,
+                    **(
+                        link_time_split(m, name, base, no_link, base, "blocking_chunks1")
+                        if no_link
+                        else {}
+                    ),
+                },
                 repeats=cfg["link_repeats"],
                 load_avg_end=_loadavg(),
                 **_shapes(cfg),
@@ -399,7 +429,9 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     b = _Bench(cfg, device)
     records = [] if cfg["link_only"] else _plain(b)
     if cfg["link"]:
-        records += _link(b)
+        # --repeat R: R runs of the whole link part, each interleaving every case; per record
+        # the median run's figures (hidden_fraction the median, hidden_fraction_runs the R)
+        records += median_of_runs([_link(b) for _ in range(cfg["repeat"])])
     return records
 
 
@@ -419,6 +451,18 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument(
+        "--world", type=int, default=None,
+        help=f"ranks (default: min({WORLD}, the available cores): one core per rank)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repeat", type=int, default=1,
+        help="runs of the modeled-link part, each interleaving every case; records the median",
+    )  # fmt: skip
+    p.add_argument(
+        "--split", action="store_true",
+        help="also the time split of each link record (unhidden link, chunking, copies)",
+    )  # fmt: skip
     p.add_argument("--link-latency", type=float, default=20e-6, help="modeled link latency (s)")
     p.add_argument("--no-link", action="store_true", help="skip the modeled-link comparisons")
     p.add_argument("--link-only", action="store_true", help="only the modeled-link comparisons")
@@ -429,7 +473,8 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     )  # fmt: skip
     p.add_argument(
         "--link-chunks", default=",".join(map(str, LINK_CHUNKS)),
-        help="comma-separated chunk counts of the modeled-link table (auto is always added)",
+        help="comma-separated chunk counts of the modeled-link table (auto is always added; "
+        "'' for auto alone)",
     )  # fmt: skip
     a = p.parse_args(argv)
     # tokens per rank, hidden, intermediate, repeats, link repeats
@@ -447,7 +492,10 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         "warmup": 1,
         "link": not a.no_link,
         "link_only": a.link_only and not a.no_link,
-        "link_chunks": sorted({int(c) for c in a.link_chunks.split(",")}),
+        "link_chunks": sorted({int(c) for c in a.link_chunks.split(",") if c.strip()}),
+        "world": link_world(WORLD, a.world),
+        "repeat": max(1, a.repeat),
+        "split": a.split,
         "link_latency": a.link_latency,
         "link_scale": a.link_scale,
         "load_avg_start": _loadavg(),
@@ -457,8 +505,10 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg, out = _config(argv)
-    records = run_ranks(_body, cfg, world_size=WORLD, timeout=3600.0)
+    facts = run_facts(cfg["world"])
+    records = run_ranks(_body, cfg, world_size=cfg["world"], timeout=3600.0)
     if records is not None:  # rank 0 (or the launching process) reports
+        records = [{**r, **facts} for r in records]
         write_records(out, records)
         print(f"load average: {cfg['load_avg_start']} at the start, {_loadavg()} at the end")
         for r in records:
@@ -469,7 +519,14 @@ def main(argv: list[str] | None = None) -> None:
                     f"(paired {r['hidden_fraction_paired']:.2f}) "
                     f"(ceiling {r['ceiling']:.2f}, any schedule {r['bound_any_schedule']:.2f}), "
                     f"added to ours "
-                    f"{r['link_added_ours_s'] * 1e3:.1f} ms]"
+                    f"{r['link_added_ours_s'] * 1e3:.1f} ms, runs "
+                    f"{[round(v, 2) for v in r.get('hidden_fraction_runs', [])]}]"
+                    + (
+                        f"  split: unhidden {r['split_unhidden_link']:.2f}, chunking "
+                        f"{r['split_chunking_overhead']:.2f}, copies {r['split_copies_cpu']:.2f}"
+                        if "split_unhidden_link" in r
+                        else ""
+                    )
                 )
                 continue
             print(
