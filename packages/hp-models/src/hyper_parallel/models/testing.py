@@ -143,8 +143,9 @@ def tiny_model(
     kind: str, seed: int = 0, dtype: torch.dtype = torch.float64, **overrides: Any
 ) -> Any:
     """A stock ``KimiLinearForCausalLM`` (``kind="kimi"``), ``DeepseekV3ForCausalLM``
-    (``"deepseek"``) or ``Qwen3NextForCausalLM`` (``"qwen3-next"``) with seeded random weights (the same on every rank for the same seed);
-    norm weights are perturbed so that every parameter shapes the output."""
+    (``"deepseek"``) or ``Qwen3NextForCausalLM`` (``"qwen3-next"``) with seeded random weights
+    (the same on every rank for the same seed); norm weights are perturbed so that every
+    parameter shapes the output."""
     tf = import_transformers()
     torch.manual_seed(seed)
     if kind == "kimi":
