@@ -31,7 +31,8 @@ vocabulary.
 - backward's own transient at the peak: the logits' gradient ``n·V·(4 + b)``.
 
 Activation checkpointing (Hugging Face's ``gradient_checkpointing_enable``): each layer keeps
-only its input ``n·D``; the peak adds one layer's whole activations (its recompute).
+only its input ``n·D``; the peak adds twice one layer's activations (its recompute, and its
+backward's gradients of them).
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ def activation_bytes(
     transient = n * v * (4 + b)
     if checkpointing:
         saved = head + sum(c for _, _, c in per) * n * d * b
-        peak = saved + max(x for _, x, _ in per) + transient
+        # a layer's recompute, and its backward's gradients of as many bytes, at once
+        peak = saved + max(2 * max(x for _, x, _ in per), transient)
     else:
         saved = head + sum(x * c for _, x, c in per)
         peak = saved + transient

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ActivationTrace", "count_collectives", "track_activations"]
+__all__ = ["ActivationTrace", "count_collectives", "held_bytes", "track_activations"]
 
 
 @dataclass
@@ -38,10 +38,11 @@ class ActivationTrace:
     excluded: set[int] = field(default_factory=set)
     live: dict[int, tuple[int, int]] = field(default_factory=dict)  # address -> (id, bytes)
 
-    def peak(self) -> int:
-        """The most bytes live at once, the excluded allocations left out."""
+    def peak(self, upto: int | None = None) -> int:
+        """The most bytes live at once, the excluded allocations left out; ``upto``: over the
+        first ``upto`` events only (``len(trace.events)`` read at some point of the step)."""
         live = peak = 0
-        for uid, delta in self.events:
+        for uid, delta in self.events[:upto]:
             if uid in self.excluded:
                 continue
             live += delta
@@ -123,7 +124,13 @@ def _from_fsdp() -> bool:
 
 
 def _wrap(
-    fn: Callable[..., Any], key: str, op: str, which: int, names: tuple[str, ...], out: dict
+    fn: Callable[..., Any],
+    key: str,
+    op: str,
+    which: int,
+    names: tuple[str, ...],
+    out: dict,
+    trace: ActivationTrace | None,
 ) -> Any:
     from hyper_parallel.dtensor.comm import link_bytes
 
@@ -141,22 +148,28 @@ def _wrap(
             nbytes = link_bytes(op, t.numel() * t.element_size(), size)
             if nbytes:
                 out[key] = out.get(key, 0) + nbytes
+            if trace is not None:  # FSDP2's buffers: parameters and gradients, not activations
+                trace.exclude_tensors(
+                    [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                )
         return fn(*args, **kwargs)
 
     return wrapped
 
 
 @contextlib.contextmanager
-def count_collectives() -> Iterator[dict[str, int]]:
+def count_collectives(trace: ActivationTrace | None = None) -> Iterator[dict[str, int]]:
     """``{collective name: bytes over this rank's link}`` for the block: hp-dtensor's
     recorder's launches by name (a layer's ``a2a:q``, ``all_gather:latent``, ...) and FSDP2's
-    collectives (``fsdp.all_gather``, ``fsdp.reduce_scatter``, ``fsdp.all_reduce``)."""
+    collectives (``fsdp.all_gather``, ``fsdp.reduce_scatter``, ``fsdp.all_reduce``).
+    ``trace``: an activation trace running in the block, told to leave out FSDP2's
+    all-gathered parameters and reduce-scattered gradients."""
     from hyper_parallel.dtensor.recorder import record_events
 
     counts: dict[str, int] = {}
     saved = {name: getattr(dist, name) for name in _FSDP_OPS if hasattr(dist, name)}
     for name, fn in saved.items():
-        setattr(dist, name, _wrap(fn, *_FSDP_OPS[name], counts))
+        setattr(dist, name, _wrap(fn, *_FSDP_OPS[name], counts, trace))
     try:
         with record_events() as rec:
             yield counts
@@ -166,3 +179,33 @@ def count_collectives() -> Iterator[dict[str, int]]:
     for e in rec.events:
         if e.kind == "launch" and e.nbytes:
             counts[e.name] = counts.get(e.name, 0) + e.nbytes
+
+
+# ---- held state ---------------------------------------------------------------------------
+def _storage_bytes(tensors: list[Any]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        st = local.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def held_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str, int]:
+    """What this rank holds: ``parameters`` and ``gradients`` (the storages of their local
+    tensors, each counted once: FSDP2's padded shards and reduce-scatter outputs as
+    allocated) and ``optimizer`` (the local bytes of every state tensor)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    states += local.numel() * local.element_size()
+    return {
+        "parameters": _storage_bytes(params),
+        "gradients": _storage_bytes(grads),
+        "optimizer": states,
+    }

@@ -44,7 +44,7 @@ _SLOTS_PER_GROUP = 6  # the fingerprint slots the loss-token all-reduce carries 
 
 def collective_name(name: str) -> str:
     """A recorder name without its chunk numbers (``moe:dispatch0`` -> ``moe:dispatch``)."""
-    return re.sub(r"(?<=[a-z])\d+", "", name)
+    return re.sub(r"(?<=[a-z])\d+(?=$|:)", "", name)
 
 
 def _link(op: str, nbytes: int, size: int) -> int:

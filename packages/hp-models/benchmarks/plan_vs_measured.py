@@ -1,0 +1,81 @@
+"""The mesh planner's prediction against real steps: for every case the tests validate
+(tiny float32 DeepSeek-V3 and Kimi-Linear on 4 gloo ranks, seq 64), each quantity's plan,
+the busiest rank's measurement and plan / measured: parameters, gradients, optimizer states
+(FSDP2), the activations' peak (all-reduce: no FSDP2 buffers among the tensors) and the bytes
+of every collective a step (hp-dtensor's recorder and FSDP2's collectives).
+
+    python packages/hp-models/benchmarks/plan_vs_measured.py [--out table.md]
+
+About 40 s on 2 CPU cores. The markdown table it prints is the one in docs/benchmarks.md
+(run notes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.dtensor.testing import run_distributed
+
+TESTS = Path(__file__).resolve().parents[1] / "tests" / "test_models_plan.py"
+
+
+def _tests() -> Any:
+    name = "hp_models_plan_tests"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, TESTS)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def rows() -> list[str]:
+    t = _tests()
+    out = [
+        "| case (kind, dp·cp·tp, ep, reduction, AC) | quantity | plan (B) | measured (B) "
+        "| plan / measured |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for cases, quantities in ((t.HELD, ("parameters", "gradients", "optimizer")),
+                              (t.ACTS, ("activations",))):  # fmt: skip
+        real = run_distributed(t._step, 4, cases, timeout=600)
+        for i, case in enumerate(cases):
+            plan = t._plan(*case)
+            label = f"{case[0]} {case[1]} ep={case[2]} {case[3]}{' AC' if case[4] else ''}"
+            got = {q: max(real[r][i][q] for r in range(4)) for q in quantities}
+            if "parameters" in quantities:
+                busiest: dict[str, int] = {}
+                for r in range(4):
+                    for name, n in t._merged(real[r][i]["collectives"]).items():
+                        busiest[name] = max(busiest.get(name, 0), n)
+                got.update(busiest)
+            planned = {q: getattr(plan, q) for q in quantities}
+            if "parameters" in quantities:
+                planned.update(plan.collectives)
+            for q in planned:
+                m = got.get(q, 0)
+                ratio = f"{planned[q] / m:.3f}" if m else "-"
+                out.append(f"| {label} | {q} | {planned[q]:,} | {m:,} | {ratio} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="also write the table here")
+    a = ap.parse_args(argv)
+    text = "\n".join(rows())
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HP_CHECK_CONSISTENCY", "0")
+    sys.exit(main())
