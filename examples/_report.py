@@ -76,9 +76,12 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
+# the table's parallelism column, by the layer's kind (train.py's --layers names, mlp, moe)
 HOW = {
     "kda": "KDA state passing + conv halo over cp·tp",
     "mla": "Ulysses MLA over cp·tp",
+    "gdn": "Gated DeltaNet state passing + halo over cp·tp",
+    "attn": "Ulysses gated GQA over cp·tp",
     "mlp": "MC2 gated MLP, TP+SP over tp",
     "moe": "hp-moe: {local} of {experts} experts a rank, ep={ep}",
     "other": "embedding, head, loss, FSDP2, clip, balancing",
@@ -156,15 +159,20 @@ def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float
 
 def routing_lines(rate: float, bias: dict[str, list[float]], rerouted: list[int],
                   bias_ok: bool) -> str:  # fmt: skip
-    """Two lines on the MoE routers: the balanced bias, and how often the serial model routed
-    the batch differently from the parallel one."""
-    spread = max(max(v) - min(v) for v in bias.values())
+    """Two lines on the MoE routers: the balanced bias (``bias`` empty: routers without one,
+    Qwen3-Next's), and how often the serial model routed the batch differently from the
+    parallel one."""
     same = sum(1 for n in rerouted if n == 0)
-    check = ("equal to the serial model's (the rule on the same loads) after every step"
-             if bias_ok else "NOT equal to the serial model's")  # fmt: skip
-    line = (f"router bias: balance_experts after every step (rate {rate:g}), spread "
-            f"{spread:.1e} over the experts at the end, {check}\nrouting: the serial model "
-            f"picks the parallel model's experts at {same} of {len(rerouted)} steps")  # fmt: skip
+    if bias:
+        spread = max(max(v) - min(v) for v in bias.values())
+        check = ("equal to the serial model's (the rule on the same loads) after every step"
+                 if bias_ok else "NOT equal to the serial model's")  # fmt: skip
+        head = (f"router bias: balance_experts after every step (rate {rate:g}), spread "
+                f"{spread:.1e} over the experts at the end, {check}")  # fmt: skip
+    else:
+        head = "router bias: none (routers without e_score_correction_bias: nothing to balance)"
+    line = (f"{head}\nrouting: the serial model picks the parallel model's experts at {same} "
+            f"of {len(rerouted)} steps")  # fmt: skip
     if same < len(rerouted):
         line += (f" (elsewhere at most {max(rerouted)} (token, expert) assignments differ: "
                  "router scores within the two runs' rounding of a tie)")  # fmt: skip
@@ -185,7 +193,7 @@ def plot_curves(path: Path, parallel: list[float], serial: list[float], title: s
             marker=".")  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=9)  # names the model (its family) and the mesh
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -4,11 +4,12 @@ One pair of lanes per rank: ``compute`` (tid 0: each layer's forward/backward sp
 recorded inside it, time blocked in a wait) and, right under it, ``comm`` (tid 1: each
 collective recorded by hp-dtensor's ``record_events`` from launch to the end of its
 wait). A collective bar under a compute bar is communication hidden behind compute; a red
-``wait`` span is communication that was not. Every layer's collectives (MLA, KDA, MC2, the
-MoE layers' ``moe:dispatch`` / ``moe:combine`` all-to-alls, drawn in magenta) and
-hp-models' own (the loss's sums, ``sync_gradients``, clipping) run on hp-dtensor's comm runtime
-and are recorded; FSDP2's all-gathers and reduce-scatters, which are not on it, are timed from
-the ranges FSDP2 names them by (examples/_fsdp_trace.py) onto the same comm lane.
+``wait`` span is communication that was not. Every layer's collectives (MLA, KDA, Qwen3-Next's
+Gated DeltaNet and gated attention, MC2, the MoE layers' ``moe:dispatch`` / ``moe:combine``
+all-to-alls, drawn in magenta) and hp-models' own (the loss's sums, ``sync_gradients``,
+clipping) run on hp-dtensor's comm runtime and are recorded; FSDP2's all-gathers and
+reduce-scatters, which are not on it, are timed from the ranges FSDP2 names them by
+(examples/_fsdp_trace.py) onto the same comm lane.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-KIND_COLOURS = {"kda": "#4C72B0", "mla": "#DD8452", "mlp": "#55A868", "moe": "#DA8BC3"}
+KIND_COLOURS = {"kda": "#4C72B0", "mla": "#DD8452", "gdn": "#4C72B0", "attn": "#DD8452",
+                "mlp": "#55A868", "moe": "#DA8BC3"}  # fmt: skip
 INNER = "#8172B3"
 WAIT = "#C44E52"
 COMM = "#937860"

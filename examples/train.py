@@ -4,27 +4,32 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py                 # cp=2 x tp=2, CPU
     torchrun --standalone --nproc-per-node 4 examples/train.py --device cuda --autocast bf16
     torchrun --standalone --nproc-per-node 2 examples/train.py --mesh 1,2 --model deepseek-v3
+    torchrun --standalone --nproc-per-node 4 examples/train.py --model qwen3-next
     torchrun --standalone --nproc-per-node 4 examples/train.py --steps 80 --resume
     torchrun --standalone --nproc-per-node 4 examples/train.py --packed   # documents per row
     torchrun --standalone --nproc-per-node 4 examples/train.py --ep 2      # experts over 2 ranks
     torchrun --standalone --nproc-per-node 4 examples/train.py --experts 0 # dense MLPs only
     torchrun --standalone --nproc-per-node 4 examples/train.py --model path/to/hf-folder
 
-A tiny random ``KimiLinearForCausalLM`` (KDA and MLA layers) or ``DeepseekV3ForCausalLM`` (MLA
-layers) built in code, the first ``--dense-layers`` layers with a dense MLP and the others with
-a MoE block (``--experts`` routed experts, ``--top-k`` a token, one shared expert), like the
-stock configs, parallelised in one call (``parallelize_model``: the routed experts split over
-groups of ``--ep`` ranks); or ``--model PATH``, a Hugging Face folder (``config.json`` and
-safetensors, as downloaded or as ``save_pretrained`` writes them) loaded by ``from_pretrained``
-straight into the parallelised model, each rank reading only its own slices. Trained with
-AdamW on a learnable synthetic token stream (examples/_data.py; ``--packed``: each row holds
-documents of random lengths), the routers' bias balanced after every step
-(``balance_experts``, DeepSeek-V3's auxiliary-loss-free balancing; ``--balance-rate``);
-gradients clipped with ``hyper_parallel.models.clip_grad_norm_``, a sharded checkpoint
-(``torch.distributed.checkpoint``) every ``--save-every`` steps and at the end, ``--resume``
-from the latest one. Rank 0 shows a progress bar and writes ``<out>/losses.json`` and
-``<out>/loss.png``. Swap ``build_model`` (or ``--model PATH``) and ``_data.batch`` for your
-model and data.
+A tiny random ``KimiLinearForCausalLM`` (KDA and MLA layers), ``DeepseekV3ForCausalLM`` (MLA
+layers) or ``Qwen3NextForCausalLM`` (Gated DeltaNet "gdn" and gated GQA attention "attn"
+layers, 3:1 like the stock config, with ``--kv-heads`` key/value heads: fewer than the ranks)
+built in code, the first ``--dense-layers`` layers with a dense MLP (Qwen3-Next's
+``mlp_only_layers``) and the others with a MoE block (``--experts`` routed experts, ``--top-k``
+a token, one shared expert: Qwen3-Next's behind its sigmoid gate), like the stock configs,
+parallelised in one call (``parallelize_model``: the routed experts split over groups of
+``--ep`` ranks); or ``--model PATH``, a Hugging Face folder of one of these families
+(``config.json`` and safetensors, as downloaded or as ``save_pretrained`` writes them) loaded
+by ``from_pretrained`` straight into the parallelised model, each rank reading only its own
+slices. Trained with AdamW on a learnable synthetic token stream (examples/_data.py;
+``--packed``: each row holds documents of random lengths), the routers' bias balanced after
+every step (``balance_experts``, DeepSeek-V3's auxiliary-loss-free balancing;
+``--balance-rate``; Kimi-Linear and DeepSeek-V3: Qwen3-Next's routers have no bias, and its
+auxiliary balancing loss is off as in the stock config); gradients clipped with
+``hyper_parallel.models.clip_grad_norm_``, a sharded checkpoint (``torch.distributed.checkpoint``)
+every ``--save-every`` steps and at the end, ``--resume`` from the latest one. Rank 0 shows a
+progress bar and writes ``<out>/losses.json`` and ``<out>/loss.png``. Swap ``build_model`` (or
+``--model PATH``) and ``_data.batch`` for your model and data.
 """
 
 from __future__ import annotations
@@ -61,10 +66,15 @@ from hyper_parallel.models import (
 from hyper_parallel.models.pretrained import from_pretrained, load_report
 from hyper_parallel.models.testing import tiny_model
 
-LAYERS = {"kimi-linear": "kda,mla,kda,mla", "deepseek-v3": "mla,mla,mla,mla"}
+# the built-in models: their default layers, and the token mixers each family has
+LAYERS = {"kimi-linear": "kda,mla,kda,mla", "deepseek-v3": "mla,mla,mla,mla",
+          "qwen3-next": "gdn,gdn,gdn,attn"}  # fmt: skip
+MIXERS = {"kimi-linear": ("kda", "mla"), "deepseek-v3": ("mla",), "qwen3-next": ("gdn", "attn")}
+# a folder's config.json model_type -> the family (train.py's --model name)
+FAMILIES = {"kimi_linear": "kimi-linear", "deepseek_v3": "deepseek-v3", "qwen3_next": "qwen3-next"}
 # the built-in model's sizes: a folder's config.json has its own
 SHAPE = ("layers", "hidden", "ffn", "experts", "top_k", "moe_ffn", "dense_layers", "heads",
-         "kda_head_dim")  # fmt: skip
+         "kv_heads", "kda_head_dim")  # fmt: skip
 AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -73,8 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = p.add_argument
     add("--device", choices=sorted(BACKENDS), default="cpu")
     add("--model", default="kimi-linear",
-        help="kimi-linear / deepseek-v3 (tiny, random) or PATH, a Hugging Face folder")  # fmt: skip
-    add("--layers", help="token mixer per layer, kda / mla (default: per --model)")
+        help=f"{' / '.join(LAYERS)} (tiny, random) or PATH, a Hugging Face folder of one of "
+             "these families")  # fmt: skip
+    add("--layers", help="token mixer per layer: kda / mla (kimi-linear), mla (deepseek-v3), "
+        "gdn / attn (qwen3-next); default: per --model, "
+        + "; ".join(f"{v} ({m})" for m, v in LAYERS.items()))  # fmt: skip
     add("--mesh", default="2,2", help="cp,tp or dp,cp,tp (product = ranks)")
     add("--steps", type=int, default=40)
     add("--batch", type=int, help="sequences per step, global (default 2; --packed: dp)")
@@ -84,12 +97,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ffn", type=int, default=128, help="dense MLP width")
     add("--experts", type=int, default=8, help="routed experts per MoE layer (0: dense MLPs)")
     add("--top-k", type=int, default=2, help="routed experts a token")
-    add("--moe-ffn", type=int, default=32, help="width of each expert (and the shared one)")
-    add("--dense-layers", type=int, default=1, help="leading layers with a dense MLP")
+    add("--moe-ffn", type=int, default=32, help="width of each expert (and the "
+        "shared one, qwen3-next's gated)")  # fmt: skip
+    add("--dense-layers", type=int, default=1, help="leading layers with a dense MLP "
+        "(qwen3-next: its mlp_only_layers)")  # fmt: skip
     add("--ep", type=int, help="ranks splitting the experts (default: every rank)")
-    add("--balance-rate", type=float, default=1e-3, help="router bias step (0: off)")
-    add("--heads", type=int, default=4, help="MLA heads (and KDA heads)")
-    add("--kda-head-dim", type=int, default=16)
+    add("--balance-rate", type=float, default=1e-3, help="router bias step (0: off; "
+        "qwen3-next's routers have no bias)")  # fmt: skip
+    add("--heads", type=int, default=4, help="attention heads (MLA, gated GQA), KDA heads, "
+        "Gated DeltaNet value heads (half as many key heads)")  # fmt: skip
+    add("--kv-heads", type=int, help="qwen3-next: gated attention's key/value heads (default "
+        "--heads / 2: fewer than the ranks, each sent once)")  # fmt: skip
+    add("--kda-head-dim", type=int, default=16, help="KDA / Gated DeltaNet head dim")
     add("--vocab", type=int, default=64, help="the data's tokens (a folder: <= its vocab)")
     add("--dtype", choices=["float32", "float64"], default="float32", help="weights")
     add("--autocast", choices=sorted(AMP), default="off")
@@ -104,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.mesh = tuple(int(v) for v in args.mesh.split(",") if v.isdigit())
     args.folder = None if args.model in LAYERS else args.model
+    args.family = args.model
     if args.folder is not None:
         if not (Path(args.folder) / "config.json").is_file():
             p.error(f"--model takes {' / '.join(LAYERS)} or a folder with a config.json")
@@ -112,7 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{given[0].replace('_', '-')} sizes the built-in model: the folder's "
                     "config.json sizes this one")  # fmt: skip
         try:
-            args.mixers, args.mlps, args.experts, args.top_k, vocab = folder_layout(args.folder)
+            layout = folder_layout(args.folder)
+            args.family, args.mixers, args.mlps, args.experts, args.top_k, vocab = layout
         except ValueError as exc:
             p.error(str(exc))
         args.vocab = min(args.vocab, vocab)  # the synthetic data's tokens
@@ -122,10 +143,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch = args.batch or (dp if args.packed else 2)
     if len(args.mesh) not in (2, 3) or min(args.mesh) < 1:
         p.error("--mesh takes cp,tp or dp,cp,tp (positive sizes)")
-    if not set(args.mixers) <= {"kda", "mla"}:
-        p.error(f"--layers takes kda / mla per layer, got {args.layers!r}")
-    if args.model == "deepseek-v3" and set(args.mixers) != {"mla"}:
-        p.error("--model deepseek-v3 has MLA layers only")
+    allowed = MIXERS[args.family]
+    if not set(args.mixers) <= set(allowed):
+        p.error(f"--layers for --model {args.family} takes {' / '.join(allowed)} per layer, got "
+                f"{args.layers!r}")  # fmt: skip
+    if args.kv_heads is not None and args.family != "qwen3-next":
+        p.error("--kv-heads sizes --model qwen3-next's gated attention (MLA has one per head)")
+    if args.folder is None:
+        qwen = args.family == "qwen3-next"
+        if args.kv_heads is None:
+            args.kv_heads = max(1, args.heads // 2) if qwen else args.heads
+        if not 1 <= args.heads <= args.hidden or args.kv_heads < 1 or args.heads % args.kv_heads:
+            p.error(f"--heads takes 1 to --hidden ({args.hidden}), --kv-heads a divisor of it")
     if args.packed and args.batch != dp:  # shard_batch: one packed row per dp replica
         p.error(f"--packed takes one row per data-parallel replica: --batch {dp}")
     n, ranks = len(args.mixers), math.prod(args.mesh)
@@ -149,28 +178,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def describe_mlps(args: argparse.Namespace) -> str:
-    """``dense MLPs`` or e.g. ``MLPs dense, moe, moe, moe: 8 experts, top-2, ep=4``."""
+    """``dense MLPs`` or e.g. ``MLPs dense, moe, moe, moe: 8 experts, top-2, ep=4`` (Qwen3-Next:
+    ``…, top-2, gated shared expert, ep=4``)."""
     if "moe" not in args.mlps:
         return "dense MLPs"
-    return (f"MLPs {', '.join(args.mlps)}: {args.experts} experts, top-{args.top_k}, "
+    shared = ", gated shared expert" if args.family == "qwen3-next" else ""
+    return (f"MLPs {', '.join(args.mlps)}: {args.experts} experts, top-{args.top_k}{shared}, "
             f"ep={args.ep}")  # fmt: skip
 
 
-def folder_layout(path: str) -> tuple[list[str], list[str], int, int, int]:
-    """A Hugging Face folder's (mixers, MLPs, routed experts, experts a token, vocab size)."""
+def model_name(args: argparse.Namespace) -> str:
+    """The family (``qwen3-next``), or a folder's name and its family (``tiny (qwen3-next)``)."""
+    return args.family if args.folder is None else f"{Path(args.folder).name} ({args.family})"
+
+
+def folder_layout(path: str) -> tuple[str, list[str], list[str], int, int, int]:
+    """A Hugging Face folder's (family, mixers, MLPs, routed experts, experts a token, vocab
+    size); ``ValueError`` for a family this script does not train."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(path)
     n = c.num_hidden_layers
-    if c.model_type == "kimi_linear":
+    family = FAMILIES.get(c.model_type)
+    if family == "kimi-linear":
         mixers = ["kda" if k == "linear_attention" else "mla" for k in c.layer_types]
         mlps = ["moe" if k == "sparse" else "dense" for k in c.mlp_layer_types]
-        return mixers, mlps, c.num_experts, c.num_experts_per_token, c.vocab_size
-    if c.model_type == "deepseek_v3":
+        return family, mixers, mlps, c.num_experts, c.num_experts_per_token, c.vocab_size
+    if family == "deepseek-v3":
         mlps = ["dense" if i < c.first_k_dense_replace else "moe" for i in range(n)]
-        return ["mla"] * n, mlps, c.n_routed_experts, c.num_experts_per_tok, c.vocab_size
-    raise ValueError(f"{path}: a {c.model_type!r} model; this script trains kimi_linear and "
-                     "deepseek_v3")  # fmt: skip
+        return family, ["mla"] * n, mlps, c.n_routed_experts, c.num_experts_per_tok, c.vocab_size
+    if family == "qwen3-next":  # Qwen3NextDecoderLayer's rule for a MoE block
+        mixers = ["gdn" if k == "linear_attention" else "attn" for k in c.layer_types]
+        sparse = [i not in c.mlp_only_layers and c.num_experts > 0
+                  and (i + 1) % c.decoder_sparse_step == 0 for i in range(n)]  # fmt: skip
+        mlps = ["moe" if k else "dense" for k in sparse]
+        return family, mixers, mlps, c.num_experts, c.num_experts_per_tok, c.vocab_size
+    raise ValueError(f"{path}: a {c.model_type!r} model; this script trains "
+                     f"{', '.join(FAMILIES)}")  # fmt: skip
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -179,12 +223,24 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     n, dtype = len(args.mixers), getattr(torch, args.dtype)
     sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                  num_hidden_layers=n, num_attention_heads=args.heads,
-                 num_key_value_heads=args.heads, moe_intermediate_size=args.moe_ffn)  # fmt: skip
+                 num_key_value_heads=args.kv_heads, moe_intermediate_size=args.moe_ffn)  # fmt: skip
     experts = max(args.experts, args.top_k)  # unused where every MLP is dense
     if args.model == "deepseek-v3":
         return tiny_model("deepseek", args.seed, dtype, **sizes, n_routed_experts=experts,
                           num_experts_per_tok=args.top_k,
                           first_k_dense_replace=args.mlps.count("dense"))  # fmt: skip
+    if args.model == "qwen3-next":  # GDN: half as many key heads as value heads (odd: as many)
+        kinds = {"gdn": "linear_attention", "attn": "full_attention"}
+        return tiny_model("qwen3-next", args.seed, dtype, **sizes, num_experts=experts,
+                          num_experts_per_tok=args.top_k, decoder_sparse_step=1,
+                          mlp_only_layers=[i for i, m in enumerate(args.mlps) if m == "dense"],
+                          shared_expert_intermediate_size=args.moe_ffn,
+                          layer_types=[kinds[m] for m in args.mixers],
+                          head_dim=args.hidden // args.heads,
+                          linear_num_key_heads=args.heads // (2 - args.heads % 2),
+                          linear_num_value_heads=args.heads,
+                          linear_key_head_dim=args.kda_head_dim,
+                          linear_value_head_dim=args.kda_head_dim)  # fmt: skip
     kinds = {"kda": "linear_attention", "mla": "full_attention"}
     mlps = {"dense": "dense", "moe": "sparse"}
     return tiny_model("kimi", args.seed, dtype, **sizes, num_experts=experts,
@@ -236,6 +292,10 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
         params = sum(p.numel() for p in model.parameters())  # whole tensors, not shards
         dims = " x ".join(f"{n}={s}" for n, s in zip(names, args.mesh))
         mixers = ", ".join(args.mixers)
+        if "attn" in args.mixers:  # Qwen3-Next's gated GQA: key/value heads fewer than the ranks
+            heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+            mixers += (f"; gated attention {heads} heads, {kv} key/value head{'s' * (kv > 1)} "
+                       f"over {math.prod(args.mesh)} ranks")  # fmt: skip
         name = type(model).__name__.removeprefix("FSDP")  # FSDP2's subclass of the stock one
         print(f"training {name}: {len(args.mixers)} layers ({mixers}; "
               f"{describe_mlps(args)}), {params:,} parameters ({args.dtype})\nmesh {dims} on "
@@ -247,6 +307,8 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
                   f"{report.bytes_read:,} of {report.folder_bytes:,} bytes in "
                   f"{report.seconds:.1f} s", flush=True)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after parallelize_model
+    # routers with a bias to balance (Kimi-Linear's, DeepSeek-V3's; Qwen3-Next's have none)
+    biased = any(hasattr(m, "e_score_correction_bias") for m in model.modules())
     start = latest_step(out) if args.resume else 0
     if start:  # the DCP recipe of packages/hp-models/README.md (any mesh shape)
         msd, osd = get_state_dict(model, opt)
@@ -270,7 +332,7 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
             clip_grad_norm_(model, args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if args.balance_rate and "moe" in args.mlps:  # by the whole batch's routing
+            if args.balance_rate and biased:  # by the whole batch's routing
                 balance_experts(model, args.balance_rate)
             losses.append(loss.item())  # the loss of the whole batch, the same on every rank
         seconds = time.perf_counter() - t0
@@ -284,7 +346,7 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(checkpoint_dir(out, step + 1)))
     if rank == 0:
         (out / "losses.json").write_text(json.dumps({"first_step": start, "losses": losses}))
-        _report.plot_loss(out / "loss.png", start, losses, f"{args.model}, mesh {args.mesh}")
+        _report.plot_loss(out / "loss.png", start, losses, f"{model_name(args)}, mesh {args.mesh}")
         print(f"checkpoint: {checkpoint_dir(out, args.steps)}; loss curve: {out / 'loss.png'}")
     dist.destroy_process_group()
     return losses

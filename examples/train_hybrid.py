@@ -9,6 +9,7 @@ curves agree; meter, trace and report the parallel run, and keep every process u
     python examples/train_hybrid.py --device npu           # HCCL (torch_npu from the image)
     python examples/train_hybrid.py --mesh 4,1 --steps 60 --autocast bf16
     python examples/train_hybrid.py --model deepseek-v3
+    python examples/train_hybrid.py --model qwen3-next     # Gated DeltaNet + gated attention
     python examples/train_hybrid.py --ep 2 --experts 4     # experts split over 2 ranks
     python examples/train_hybrid.py --dtype float32        # train.py's dtype (CPU: float64)
     python examples/train_hybrid.py --model path/to/hf-folder [--no-serial]
@@ -36,7 +37,9 @@ its routers after every step from those loads of the whole batch, and the run fa
 bias equals the parallel model's at every step. It routes the batch itself: where a token's
 scores are a near-tie in float32, the two models may pick different experts (reported, not a
 failure); taking the parallel loads keeps one such token from moving the biases apart, which
-would change the routing of many tokens from then on.
+would change the routing of many tokens from then on. Qwen3-Next's routers have no bias
+(``balance_experts`` is not called; its auxiliary balancing loss is off, as in the stock
+config): its routing is compared all the same.
 
 ``--model PATH`` (a Hugging Face folder): the ranks load it with ``from_pretrained`` (each
 reads only its own slices; the report names the folder, its family and the bytes each rank
@@ -173,8 +176,8 @@ class RankHooks:
             base.embed_tokens.register_forward_hook(self._poison)
         layers: list[tuple[str, Any]] = []
         for i, (layer, mixer, mlp) in enumerate(zip(base.layers, self.t.mixers, self.t.mlps)):
-            layers += [(f"{i}:{mixer}", layer.self_attn), (f"{i}:{mlp.replace('dense', 'mlp')}",
-                                                           layer.mlp)]  # fmt: skip
+            layers += [(f"{i}:{mixer}", token_mixer(layer)),
+                       (f"{i}:{mlp.replace('dense', 'mlp')}", layer.mlp)]  # fmt: skip
         for name, module in [("embedding", base.embed_tokens), *layers, ("lm_head", model.lm_head)]:
             module.register_forward_hook(self._watch(name))
         self.meter = LayerMeter(layers)
@@ -263,6 +266,13 @@ class RankHooks:
             "load": self.load,
             "plan": self.plan_meter.measured if self.plan_meter is not None else {},
         }
+
+
+def token_mixer(layer: torch.nn.Module) -> torch.nn.Module:
+    """A decoder layer's token mixer: Qwen3-Next's Gated DeltaNet is its ``linear_attn``, every
+    other mixer (KDA and MLA too) its ``self_attn``."""
+    mixer = getattr(layer, "linear_attn", None)
+    return mixer if mixer is not None else layer.self_attn
 
 
 def collective_family(name: str) -> str:
@@ -394,6 +404,8 @@ def merge_rank_stats(h: argparse.Namespace, t: argparse.Namespace) -> dict[str, 
         for k in ("bytes_read", "regions", "tensors", "seconds"):
             load[f"{k}_per_rank"] = [s["load"][k] for s in per_rank]
     record = {
+        "model": train.model_name(t),
+        "family": t.family,
         "load": load,
         "mesh": dict(zip(names, t.mesh)),
         "ep": t.ep,
@@ -488,14 +500,16 @@ def assignments_apart(a: dict[str, list[int]], b: dict[str, list[int]]) -> int:
 
 class RouterLoads:
     """Every MoE router's (token, expert) assignment counts over the forwards since
-    :meth:`clear` (a forward hook on each router with an ``e_score_correction_bias``; in the
-    parallel model, this rank's tokens), and ``balance_experts``' bias step."""
+    :meth:`clear` (a forward hook on each ``mlp.gate`` router, which returns ``(logits,
+    weights, expert indices)`` in every family; in the parallel model, this rank's tokens), and
+    ``balance_experts``' bias step on the routers with an ``e_score_correction_bias``
+    (Kimi-Linear's, DeepSeek-V3's; Qwen3-Next's have none)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.routers = {
             n: m
             for n, m in model.named_modules()
-            if n.endswith("mlp.gate") and hasattr(m, "e_score_correction_bias")
+            if n.endswith("mlp.gate") and hasattr(m, "num_experts")
         }
         self.loads: dict[str, torch.Tensor] = {}
         for name, router in self.routers.items():
@@ -503,12 +517,15 @@ class RouterLoads:
 
     @staticmethod
     def biases(routers: dict[str, torch.nn.Module]) -> dict[str, list[float]]:
-        return {n: r.e_score_correction_bias.detach().cpu().tolist() for n, r in routers.items()}
+        return {
+            n: r.e_score_correction_bias.detach().cpu().tolist()
+            for n, r in routers.items()
+            if hasattr(r, "e_score_correction_bias")
+        }
 
     def _count(self, name: str) -> Any:
         def hook(router: torch.nn.Module, _a: Any, out: Any) -> None:
-            n = router.e_score_correction_bias.numel()
-            counts = torch.bincount(out[2].detach().reshape(-1).cpu(), minlength=n)
+            counts = torch.bincount(out[2].detach().reshape(-1).cpu(), minlength=router.num_experts)
             self.loads[name] = self.loads.get(name, 0) + counts
 
         return hook
@@ -518,13 +535,15 @@ class RouterLoads:
 
     def snapshot(self) -> dict[str, list[int]]:
         return {
-            n: [int(v) for v in self.loads.get(n, [0] * r.e_score_correction_bias.numel())]
+            n: [int(v) for v in self.loads.get(n, [0] * r.num_experts)]
             for n, r in self.routers.items()
         }
 
     def balance(self, rate: float, loads: dict[str, list[int]]) -> None:
         """``bias += rate · sign(mean(load) − load)``, the load in float64 (balance_experts')."""
         for name, router in self.routers.items():
+            if not hasattr(router, "e_score_correction_bias"):
+                continue
             load = torch.tensor(loads[name], dtype=torch.float64)
             bias = router.e_score_correction_bias
             with torch.no_grad():
@@ -587,7 +606,7 @@ def summarize(h: argparse.Namespace, t: argparse.Namespace, record: dict[str, An
                                      record["plan_measured"]))  # fmt: skip
     mesh = " x ".join(f"{k}={v}" for k, v in record["mesh"].items())
     moe = f", {t.experts} experts over ep={t.ep}" if "moe" in t.mlps else ""
-    what = f"{Path(t.model).name} {','.join(t.mixers)}{moe}, {mesh}"
+    what = f"{train.model_name(t)} {','.join(t.mixers)}{moe}, {mesh}"
     png = out / "loss_curves.png"
     versus = f"max rel diff {rel:.1e} (tol {h.tol:.0e})" if run is not None else "no serial run"
     _report.plot_curves(png, parallel, serial, f"{what}, {versus}")
@@ -603,9 +622,9 @@ def summarize(h: argparse.Namespace, t: argparse.Namespace, record: dict[str, An
             f"\nloss: first {serial[0]:.4f}, last serial {serial[-1]:.4f} / parallel "
             f"{parallel[-1]:.4f}; max relative difference {rel:.2e} (tol {h.tol:.0e})"
         )
-    if run is not None and run.bias and run.bias[-1]:
-        print(_report.routing_lines(t.balance_rate, run.bias[-1], run.rerouted,
-                                    not bias_reason))  # fmt: skip
+    if run is not None and "moe" in t.mlps and record["router_loads"]:
+        print(_report.routing_lines(t.balance_rate, run.bias[-1] if run.bias else {},
+                                    run.rerouted, not bias_reason))  # fmt: skip
     print(f"loss curves: {png}")
     print(f"trace of step {h.trace_step}: {trace_png} (timeline per rank); "
           f"{trace_json} (open in https://ui.perfetto.dev)")  # fmt: skip

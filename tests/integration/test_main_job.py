@@ -2,7 +2,10 @@
 examples/train.py under torchrun), on a tiny model (a KDA layer with a dense MLP, an MLA layer
 with a MoE block of 8 experts split over both ranks) and 2 CPU ranks; also the shortest run
 (the MoE dispatch and combine in the table and the trace, the balanced router bias equal to the
-serial model's), ``--packed`` against each document alone, and train.py's ``--resume``.
+serial model's), ``--packed`` against each document alone, train.py's ``--resume``, and the
+shortest ``--model qwen3-next`` run (a Gated DeltaNet layer with a dense MLP, a gated attention
+layer with 1 key/value head over the 2 ranks and a MoE block with the gated shared expert)
+agreeing with its serial reference.
 
 Each test starts the job as a user would (the harness launches torchrun itself), with a tag of
 its own in the environment that every process of the job inherits, and afterwards scans /proc
@@ -32,6 +35,10 @@ RANKS = 2
 TINY = ["--mesh", "2,1", "--seq", "16", "--hidden", "16", "--ffn", "32", "--moe-ffn", "16",
         "--layers", "kda,mla", "--heads", "2", "--kda-head-dim", "8", "--vocab", "16",
         "--rank-timeout", "30"]  # fmt: skip
+# TINY's sizes, Qwen3-Next's mixers: Gated DeltaNet (1 key head, 2 value heads) + a dense MLP,
+# gated attention (2 heads, 1 key/value head: fewer than the ranks) + a MoE block
+QWEN3_NEXT = ["--model", "qwen3-next", *TINY]
+QWEN3_NEXT[QWEN3_NEXT.index("kda,mla")] = "gdn,attn"
 FOREVER = ["--steps", "100000"]  # runs until it is stopped
 START_S = 90  # start-up of torchrun + ranks on a loaded 2-core machine
 GONE_S = 20  # the issue's bound: nothing of the job left after this
@@ -248,6 +255,42 @@ def test_main_job_tiny_run_agrees_and_draws_the_trace(job_factory):
 
 
 @pytest.mark.timeout(180)
+def test_main_job_qwen3_next_agrees_with_its_serial_reference(job_factory):
+    """--model qwen3-next, the shortest run: every layer kind of the family (Gated DeltaNet's
+    state passing, the gated attention's all-to-alls with fewer key/value heads than ranks, the
+    dense MLP, the MoE block with its gated shared expert) parallelised, and the loss curve
+    equal to the stock serial model's; its routers (no bias) route the batch alike."""
+    job = job_factory("--steps", "2", base=QWEN3_NEXT)
+    rc = job.finish(timeout=START_S + 60)
+    output = job.output()
+    assert rc == 0, output
+    assert _last_line(output) == "train_hybrid: OK: parallel and serial loss curves agree"
+    assert ("training Qwen3NextForCausalLM: 2 layers (gdn, attn; gated attention 2 heads, 1 "
+            "key/value head over 2 ranks; MLPs dense, moe: 8 experts, top-2, gated shared "
+            "expert, ep=2)") in output  # fmt: skip
+    lines = output.splitlines()
+    row = {ln.split()[0]: ln for ln in lines if ln[:2] in ("0:", "1:")}
+    assert "Gated DeltaNet state passing" in row["0:gdn"], row
+    assert "Ulysses gated GQA over cp·tp" in row["1:attn"], row
+    assert "hp-moe: 4 of 8 experts a rank, ep=2" in row["1:moe"], row
+    record = json.loads((job.out / "parallel.json").read_text())
+    assert (record["model"], record["family"]) == ("qwen3-next", "qwen3-next")
+    assert len(record["losses"]) == 2 and all(math.isfinite(v) for v in record["losses"])
+    # every (token, expert) assignment of the whole batch (2 x 16 tokens, top-2), each step
+    assert [sum(s["model.layers.1.mlp.gate"]) for s in record["router_loads"]] == [64, 64]
+    assert record["router_bias"] == [{}, {}]  # no e_score_correction_bias: nothing balanced
+    assert "router bias: none" in output and "picks the parallel model's experts at" in output
+    trace = json.loads((job.out / "trace_step.json").read_text())
+    comm = {e["name"] for e in trace["traceEvents"] if e.get("tid") == 1 and e.get("ph") == "X"}
+    assert comm & {"send:halo", "recv:halo", "send:state", "recv:state"}, comm  # GDN's
+    assert any(n.startswith("a2a:") for n in comm), comm  # the gated attention's
+    assert any(n.startswith("moe:dispatch") for n in comm), comm
+    assert "all_reduce:expert_load" not in comm, comm  # balance_experts not called
+    assert (job.out / "loss_curves.png").stat().st_size > 0
+    job.assert_nothing_left()
+
+
+@pytest.mark.timeout(180)
 def test_main_job_packed_documents_agree_with_each_document_alone(job_factory):
     """--packed: each row holds documents of random lengths (positions restarting at 0, label
     -100 at each start); the harness's serial reference runs the stock model on each document
@@ -371,6 +414,50 @@ def test_folder_options_come_from_its_config(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--model", str(tmp_path / "missing")])
     assert "or a folder with a config.json" in capsys.readouterr().err
+
+
+def test_qwen3_next_options_follow_the_family(tmp_path, capsys):
+    """--model qwen3-next: 3 Gated DeltaNet layers to 1 gated attention by default, key/value
+    heads fewer than the ranks, mlp_only_layers from --dense-layers, the gated shared expert as
+    wide as an expert; a qwen3_next folder's layout from its config.json; errors name what is
+    allowed."""
+    import train
+
+    from hyper_parallel.models.testing import tiny_model
+
+    t = train.parse_args(["--model", "qwen3-next"])
+    assert (t.family, t.mixers, t.mlps, t.kv_heads, t.ep) == (
+        "qwen3-next", ["gdn", "gdn", "gdn", "attn"], ["dense", "moe", "moe", "moe"], 2, 4
+    )  # fmt: skip
+    assert train.describe_mlps(t) == (
+        "MLPs dense, moe, moe, moe: 8 experts, top-2, gated shared expert, ep=4"
+    )
+    c = train.build_model(train.parse_args(["--model", "qwen3-next", "--dense-layers", "2"])).config
+    assert type(c).__name__ == "Qwen3NextConfig"
+    assert c.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert (c.mlp_only_layers, c.num_key_value_heads, c.num_attention_heads) == ([0, 1], 2, 4)
+    assert (c.shared_expert_intermediate_size, c.moe_intermediate_size, c.num_experts) == (
+        32, 32, 8
+    )  # fmt: skip
+    assert (c.linear_num_key_heads, c.linear_num_value_heads) == (2, 4)
+    folder = tmp_path / "tiny-qwen3-next"
+    tiny_model("qwen3-next", seed=0).save_pretrained(folder)  # gdn, attn, gdn, attn
+    t = train.parse_args(["--model", str(folder), "--mesh", "2,1"])
+    assert (t.family, t.mixers, t.mlps, t.experts, t.top_k) == (
+        "qwen3-next", ["gdn", "attn", "gdn", "attn"], ["dense", "moe", "moe", "moe"], 4, 2
+    )  # fmt: skip
+    assert train.model_name(t) == "tiny-qwen3-next (qwen3-next)"
+    for bad, said in (
+        (["--model", "qwen3-next", "--layers", "gdn,mla"],
+         "--layers for --model qwen3-next takes gdn / attn per layer, got 'gdn,mla'"),
+        (["--layers", "gdn,attn"], "--layers for --model kimi-linear takes kda / mla per layer"),
+        (["--model", "qwen3"], "--model takes kimi-linear / deepseek-v3 / qwen3-next or a folder"),
+        (["--kv-heads", "2"], "--kv-heads sizes --model qwen3-next's gated attention"),
+        (["--model", "qwen3-next", "--kv-heads", "3"], "--kv-heads a divisor of it"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit):
+            train.parse_args(bad)
+        assert said in capsys.readouterr().err, bad
 
 
 def test_curve_comparison_counts_nan_as_disagreement():
