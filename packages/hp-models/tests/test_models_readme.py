@@ -35,3 +35,11 @@ def test_readme_from_pretrained_example_runs():
     index = _block_index("model = from_pretrained(folder, mesh, ep=4, **LOAD)")
     out = run_markdown_example(README, index, timeout=280).splitlines()
     assert out == [f"{r} True True True" for r in range(4)]
+
+
+@pytest.mark.timeout(200)
+def test_readme_plan_example_runs():
+    index = _block_index("plan = plan_memory(config")
+    out = run_markdown_example(README, index, timeout=180).splitlines()
+    assert out[0].startswith("parameters ") and out[0].endswith(("fits 64 GB: True", "False"))
+    assert out[1].startswith("largest collective: ")
