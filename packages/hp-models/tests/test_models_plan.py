@@ -183,6 +183,8 @@ def test_cli_ranks_every_valid_mesh(tmp_path: Any, capsys: pytest.CaptureFixture
             "1MiB",
             "--checkpointing",
             "off",
+            "--top",
+            "100",
         ]
     )
     out = capsys.readouterr().out

@@ -39,7 +39,7 @@ def test_readme_from_pretrained_example_runs():
 
 @pytest.mark.timeout(200)
 def test_readme_plan_example_runs():
-    index = _block_index("plan = plan_memory(config")
+    index = _block_index("from hyper_parallel.models import plan_memory")
     out = run_markdown_example(README, index, timeout=180).splitlines()
     assert out[0].startswith("parameters ") and out[0].endswith(("fits 64 GB: True", "False"))
     assert out[1].startswith("largest collective: ")
