@@ -24,7 +24,13 @@ from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.models import parallelize_model, plan_memory, shard_batch
 from hyper_parallel.models.fsdp import fsdp_available
 from hyper_parallel.models.plan.traffic import collective_name
-from hyper_parallel.models.testing import deepseek_config, kimi_config, random_batch, tiny_model
+from hyper_parallel.models.testing import (
+    deepseek_config,
+    kimi_config,
+    qwen3_next_config,
+    random_batch,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.skipif(not fsdp_available(), reason="needs FSDP2 that can sum")
 
@@ -36,20 +42,28 @@ MOE_TOL = 0.5  # the dispatch/combine bytes of one rank vs balanced routing (tin
 OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek": {"vocab_size": 50},
     "kimi": {"vocab_size": 50, "num_experts": 8},
+    "qwen3-next": {"vocab_size": 50},
 }
 # (kind, (dp, cp, tp), ep, grad_reduction, activation checkpointing)
-HELD = [("deepseek", (1, 2, 2), 2, "fsdp", False), ("kimi", (2, 1, 2), 4, "fsdp", False)]
+HELD = [
+    ("deepseek", (1, 2, 2), 2, "fsdp", False),
+    ("kimi", (2, 1, 2), 4, "fsdp", False),
+    ("qwen3-next", (1, 2, 2), 4, "fsdp", False),
+]
 ACTS = [
     ("kimi", (1, 2, 2), 2, "allreduce", False),
     ("kimi", (1, 2, 2), 2, "allreduce", True),
     ("kimi", (4, 1, 1), 4, "allreduce", False),
     ("deepseek", (1, 4, 1), 2, "allreduce", False),
     ("deepseek", (2, 1, 2), 2, "allreduce", True),
+    ("qwen3-next", (1, 2, 2), 2, "allreduce", False),
+    ("qwen3-next", (2, 1, 2), 2, "allreduce", True),
 ]
 
 
 def _config(kind: str) -> Any:
-    return (deepseek_config if kind == "deepseek" else kimi_config)(**OVERRIDES[kind])
+    make = {"deepseek": deepseek_config, "kimi": kimi_config, "qwen3-next": qwen3_next_config}
+    return make[kind](**OVERRIDES[kind])
 
 
 def _step(cases: list[Any]) -> list[dict[str, Any]]:

@@ -105,6 +105,14 @@ def _flops(shapes: list[Any], config: Any, tokens: int, seq: int, rows: int, p: 
             kv = d * (g("kv_lora") + g("rope")) + g("kv_lora") * h * (g("nope") + g("dv"))
             active += count * (q + kv + h * g("dv") * d)
             attn += count * 3 * rows * (h / p) * seq * seq * (g("nope") + g("rope") + g("dv"))
+        elif shape.attn == "gqa":
+            h, hd = g("H"), g("d")
+            active += count * d * hd * (h * (2 + g("gated")) + 2 * g("Hkv"))
+            attn += count * 3 * rows * (h / p) * seq * seq * 2 * hd
+        elif shape.attn == "gdn":
+            hk, hv, k, v = g("Hk"), g("Hv"), g("K"), g("V")
+            active += count * d * (2 * hk * k + 3 * hv * v + 2 * hv)
+            attn += count * 6 * rows * hv * (seq / p) * (64 * (k + v) + 2 * k * v)  # chunks
         else:
             h, k = g("H"), g("K")
             active += count * (4 * d * h * k + 2 * d * k)

@@ -21,10 +21,28 @@ vocabulary.
   chunk path, measured here by running it on one chunk pair of the real ``K, V`` on the CPU;
   ``"fused"``: a kernel that keeps its inputs and one float32 ``K×V`` state a chunk, as
   flash-linear-attention's does);
+- gated GQA attention (hp-context-parallel's ``parallelize_attention``, Qwen3-Next: ``H``
+  query heads, ``Hkv`` key/value heads of ``d``, ``H/P`` heads a rank over all ``B·T`` tokens,
+  ``max(1, Hkv/P)`` key/value heads a rank): ``n·(2Hd + 2Hkv·d) + 2n·(H + Hkv)·d`` (projections,
+  per-head norms and rotary) ``+ B·T·(2H/P + 2·max(1, Hkv/P))·d`` (the exchanged heads and the
+  output) ``+ 3n·H·d`` (the output back, its gate and their product) elements, plus the
+  log-sum-exps (and the probabilities under eager/sdpa-math, as MLA);
+- Gated DeltaNet (hp-kda-kernels' ``parallelize_gated_deltanet`` over ``P`` ranks, ``Hk`` key
+  heads of ``K``, ``Hv`` value heads of ``V``): projections ``n·(2HkK + 2HvV + 2Hv)``, the
+  short convolution's input, output and activation ``3n·(2HkK + HvV)``, the normalised and
+  repeated ``q, k`` ``2n·(Hk + Hv)·K``, the output and the gated norm ``5n·Hv·V`` elements, the
+  float32 gates and the norm's float32 copy ``8n·Hv + 4n·Hv·V`` bytes; then the KDA path it runs
+  through (q, k repeated to the value heads, the scalar gate broadcast over ``K``): KDA's
+  ``23·n·Hv·K`` elements around the kernel and twice the chunk kernel's bytes for
+  ``B·Hv·⌈(T/P)/C⌉`` chunks. The factor 2 is measured, not derived: the stock layer under
+  ``parallelize_gated_deltanet`` on the tests' model keeps 423 KB, 2.30 MB and 9.10 MB at 64,
+  256 and 1024 tokens over 4 ranks; this model says 421 KB, 2.26 MB and 9.05 MB (with the
+  kernel counted once it says 0.6 of the measured bytes);
 - dense gated MLP (hp-mc2 over ``tp``): ``4·n·I + n·D`` elements (the gathered input is
   gathered again in backward, not kept);
 - MoE (top-``k`` of ``E``, ``R = n·k`` routed rows, balanced): ``8·n·E + 12·n·k`` bytes of
-  router, ``R·(4·I + 2·D) + n·k·D + 2·n·D + 4·n·I_s`` elements, and ``2·R·D`` more for the
+  router, ``R·(4·I + 2·D) + n·k·D + 2·n·D + 4·n·I_s`` elements (``2n`` more for a gated shared
+  expert's gate), and ``2·R·D`` more for the
   exchange buffers where ``ep > 1``;
 - the head: the final norm, and ``n·V·(b + 8 + c')`` bytes of logits, their float32
   log-softmax and loss (``c' = 4`` where ``b < 4``); the embedding ``n·D``;
@@ -55,8 +73,8 @@ KDA_CHUNK = 64  # hp-kda-kernels' chunk size under parallelize_kda
 
 @dataclass(frozen=True)
 class LayerShape:
-    """One decoder layer's blocks as the cost model needs them: ``attn`` is ``"mla"`` or
-    ``"kda"``, ``mlp`` ``"dense"`` or ``"moe"``; ``dims`` their sizes."""
+    """One decoder layer's blocks as the cost model needs them: ``attn`` is ``"mla"``,
+    ``"kda"``, ``"gqa"`` or ``"gdn"``, ``mlp`` ``"dense"`` or ``"moe"``; ``dims`` their sizes."""
 
     attn: str
     mlp: str
@@ -72,7 +90,8 @@ def _out(linear: Any) -> int:
 
 def layer_shape(layer: nn.Module, config: Any) -> LayerShape:
     """The :class:`LayerShape` of a stock decoder layer (built on any device, meta too)."""
-    attn: Any = layer.get_submodule("self_attn")
+    mixer = "self_attn" if hasattr(layer, "self_attn") else "linear_attn"  # Qwen3-Next's GDN
+    attn: Any = layer.get_submodule(mixer)
     mlp: Any = layer.get_submodule("mlp")
     dims: dict[str, int] = {"D": int(config.hidden_size)}
     if hasattr(attn, "kv_a_proj_with_mqa"):
@@ -86,9 +105,27 @@ def layer_shape(layer: nn.Module, config: Any) -> LayerShape:
             nope=int(attn.qk_nope_head_dim),
             dv=int(attn.v_head_dim),
         )
+    elif hasattr(attn, "in_proj_qkvz"):
+        kind = "gdn"
+        dims.update(
+            conv=int(attn.conv_kernel_size),
+            Hk=int(attn.num_k_heads),
+            Hv=int(attn.num_v_heads),
+            K=int(attn.head_k_dim),
+            V=int(attn.head_v_dim),
+        )
     elif hasattr(attn, "conv_kernel_size") and hasattr(attn, "head_dim"):
         kind = "kda"
         dims.update(H=int(attn.num_heads), K=int(attn.head_dim), conv=int(attn.conv_kernel_size))
+    elif all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        kind = "gqa"
+        h, hd = int(config.num_attention_heads), int(attn.head_dim)
+        dims.update(
+            H=h,
+            Hkv=int(config.num_key_value_heads),
+            d=hd,
+            gated=int(_out(attn.q_proj) == 2 * h * hd),
+        )
     else:
         raise TypeError(f"the planner has no cost model for {type(attn).__name__}")
     if hasattr(mlp, "experts"):
@@ -96,12 +133,13 @@ def layer_shape(layer: nn.Module, config: Any) -> LayerShape:
         experts: Any = mlp.get_submodule("experts")
         e, two_i, _ = experts.gate_up_proj.shape
         top_k = getattr(config, "num_experts_per_tok", None) or config.num_experts_per_token
-        shared = getattr(mlp, "shared_experts", None)
+        shared = getattr(mlp, "shared_experts", None) or getattr(mlp, "shared_expert", None)
         dims.update(
             E=int(e),
             I=int(two_i) // 2,
             k=int(top_k),
             Is=_out(shared.gate_proj) if shared is not None else 0,
+            Ig=int(hasattr(mlp, "shared_expert_gate")),
         )
     elif hasattr(mlp, "gate_proj"):
         mkind = "dense"
@@ -174,6 +212,28 @@ def layer_bytes(
         out += elems * b + 4 * rows * hl * seq
         if attn_implementation in ("eager", "sdpa-math"):
             out += rows * hl * seq * seq * b
+    elif shape.attn == "gqa":
+        h, hkv, hd = g("H"), g("Hkv"), g("d")
+        hl, kvl = h // p, max(1, hkv // p)
+        elems = (
+            n * (2 * h * hd if g("gated") else h * hd)
+            + 2 * n * hkv * hd
+            + 2 * n * (h + hkv) * hd
+            + rows * seq * (2 * hl + 2 * kvl) * hd
+            + n * h * hd * (3 if g("gated") else 1)
+        )
+        out += elems * b + 4 * rows * hl * seq
+        if attn_implementation in ("eager", "sdpa-math"):
+            out += rows * hl * seq * seq * b
+    elif shape.attn == "gdn":
+        hk, hv, k, v = g("Hk"), g("Hv"), g("K"), g("V")
+        qkv = 2 * hk * k + hv * v
+        elems = n * (2 * hk * k + 2 * hv * v + 2 * hv) + 3 * n * qkv + 2 * n * (hk + hv) * k
+        out += (elems + 5 * n * hv * v + 23 * n * hv * k) * b + 8 * n * hv + 4 * n * hv * v
+        local = seq // p
+        chunk = min(KDA_CHUNK, local)
+        chunks = rows * hv * -(-local // chunk)
+        out += 2 * chunks * kda_chunk_bytes(k, v, dtype, kda_kernel, chunk)
     else:
         h, k = g("H"), g("K")
         out += (23 * n * h * k + n * (2 * k + 4 * h) + n * d) * b
@@ -187,6 +247,7 @@ def layer_bytes(
         r = n * g("k")
         out += 8 * n * g("E") + 12 * n * g("k")
         elems = r * (4 * g("I") + 2 * d) + n * g("k") * d + 2 * n * d + 4 * n * g("Is")
+        elems += 2 * n * g("Ig")  # the gated shared expert's gate and its sigmoid
         if ep > 1:
             elems += 2 * r * d
         out += elems * b

@@ -32,13 +32,14 @@ _KIMI_LINEAR_ATTN = {
     "head_dim": 128,
     "short_conv_kernel_size": 4,
 }
-MODELS = ("deepseek-v3", "kimi-linear")
+MODELS = ("deepseek-v3", "kimi-linear", "qwen3-next")
 
 
 def real_config(name: str) -> Any:
     """The published model's config: ``"deepseek-v3"`` (``DeepseekV3Config()``'s defaults:
     671B, without the multi-token-prediction layer), ``"kimi-linear"`` (Kimi-Linear-48B-A3B,
-    with its checkpoint's layer pattern), or a path to a folder / ``config.json``."""
+    with its checkpoint's layer pattern), ``"qwen3-next"`` (``Qwen3NextConfig()``'s defaults:
+    Qwen3-Next-80B-A3B), or a path to a folder / ``config.json``."""
     import transformers
 
     cfg: Any
@@ -47,6 +48,8 @@ def real_config(name: str) -> Any:
     elif name == "kimi-linear":
         published: dict[str, Any] = {"linear_attn_config": _KIMI_LINEAR_ATTN}
         cfg = transformers.KimiLinearConfig(**published)
+    elif name == "qwen3-next":
+        cfg = transformers.Qwen3NextConfig()
     else:
         cfg = transformers.AutoConfig.from_pretrained(name)
     cfg._experts_implementation = "eager"

@@ -15,6 +15,11 @@ MLA ``a2a:o`` / ``a2a:do``  ``n·H·d_v·b`` over ``P``                      1 /
 KDA state (``auto``: the    allgather: ``P·4·B·H·K·(K+V)``; p2p: one      1 / 1
 layer's cost model picks)   ``4·B·H·K·V`` state sent and received
 KDA ``send/recv:halo``      ``(W−1)·B·3·H·K·b`` (a middle rank)           1 / 1 each way
+Gated DeltaNet              as KDA with ``H = Hv`` value heads, a state
+                            ``K×V``, the halo ``(W−1)·B·(2HkK + HvV)·b``
+GQA ``a2a:q`` / ``a2a:o``   ``n·H·d·b`` over ``P`` (``:dq``, ``:do``)     1 / 1
+GQA ``a2a:kv``              ``n·P·max(1, Hkv/P)·2d·b`` over ``P`` (key/   1 / 1
+                            value heads repeated where ``Hkv < P``)
 MC2 ``all_gather:x``        ``n·tp·D·b`` over ``tp``                      3 (2 in backward)
 MC2 ``reduce_scatter:       the same                                     2
 partial``
@@ -53,10 +58,12 @@ def _link(op: str, nbytes: int, size: int) -> int:
     return link_bytes(op, nbytes, size)
 
 
-def _kda_protocol(p: int, rows: int, h: int, k: int, device_type: str) -> tuple[str, int | None]:
+def _kda_protocol(
+    p: int, rows: int, h: int, k: int, device_type: str, v: int | None = None
+) -> tuple[str, int | None]:
     from hyper_parallel.kda.cost import choose_protocol
 
-    choice = choose_protocol(p, rows, h, k, k, device_type=device_type)
+    choice = choose_protocol(p, rows, h, k, k if v is None else v, device_type=device_type)
     return choice.protocol, choice.group_size
 
 
@@ -98,15 +105,27 @@ def layer_collectives(
             add("a2a:dq", q, count)
             add("a2a:o", o, fwd * count)
             add("a2a:do", o, count)
-        elif shape.attn == "kda" and p > 1:
-            h, k = g("H"), g("K")
+        elif shape.attn == "gqa" and p > 1:
+            hd = g("d")
+            kvl = max(1, g("Hkv") // p)  # the key/value heads a rank receives (repeated)
+            q = _link("all_to_all", n * g("H") * hd * b, p)
+            kv = _link("all_to_all", n * p * kvl * 2 * hd * b, p)
+            for name, nbytes in (("q", q), ("kv", kv), ("o", q)):
+                add(f"a2a:{name}", nbytes, fwd * count)
+                add(f"a2a:d{name}", nbytes, count)
+        elif shape.attn in ("kda", "gdn") and p > 1:
+            if shape.attn == "kda":
+                h, k, v, conv_dim = g("H"), g("K"), g("K"), 3 * g("H") * g("K")
+            else:  # Gated DeltaNet: the state is per value head; q, k, v through the conv
+                h, k, v = g("Hv"), g("K"), g("V")
+                conv_dim = 2 * g("Hk") * k + h * v
             protocol, width = (
-                _kda_protocol(p, rows, h, k, device_type)
+                _kda_protocol(p, rows, h, k, device_type, v)
                 if kda_protocol == "auto"
                 else (kda_protocol, None)
             )
-            state = 4 * rows * h * k * k
-            summary = 4 * rows * h * k * (k + k)
+            state = 4 * rows * h * k * v
+            summary = 4 * rows * h * k * (k + v)
             if protocol == "allgather":
                 add("all_gather:state", _link("all_gather", p * summary, p), fwd * count)
                 add("all_gather:dstate", _link("all_gather", p * summary, p), count)
@@ -121,7 +140,7 @@ def layer_collectives(
                 for way in ("send", "recv"):
                     add(f"{way}:state", state, fwd * count)
                     add(f"{way}:dstate", state, count)
-            halo = (g("conv") - 1) * rows * 3 * h * k * b
+            halo = (g("conv") - 1) * rows * conv_dim * b
             for way in ("send", "recv"):
                 add(f"{way}:halo", halo, fwd * count)
                 add(f"{way}:dhalo", halo, count)
