@@ -1,12 +1,13 @@
 """The mesh planner's prediction against real steps: for every case the tests validate
-(tiny float32 DeepSeek-V3 and Kimi-Linear on 4 gloo ranks, seq 64), each quantity's plan,
-the busiest rank's measurement and plan / measured: parameters, gradients, optimizer states
-(FSDP2), the activations' peak (all-reduce: no FSDP2 buffers among the tensors) and the bytes
-of every collective a step (hp-dtensor's recorder and FSDP2's collectives).
+(tiny float32 DeepSeek-V3, Kimi-Linear and Qwen3-Next on 4 gloo ranks, seq 64), each
+quantity's plan, the busiest rank's measurement and plan / measured: parameters, gradients,
+optimizer states (FSDP2), the activations' peak (all-reduce: no FSDP2 buffers among the
+tensors) and the bytes of every collective a step (hp-dtensor's recorder and FSDP2's
+collectives).
 
     python packages/hp-models/benchmarks/plan_vs_measured.py [--out table.md]
 
-About 40 s on 2 CPU cores. The markdown table it prints is the one in docs/benchmarks.md
+About 25 s on 2 CPU cores. The markdown table it prints is the one in docs/benchmarks.md
 (run notes).
 """
 
@@ -25,14 +26,11 @@ TESTS = Path(__file__).resolve().parents[1] / "tests" / "test_models_plan.py"
 
 
 def _tests() -> Any:
-    name = "hp_models_plan_tests"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, TESTS)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """The tests' module, imported by its own name from a path the ranks inherit (spawned
+    ranks unpickle its functions by module name)."""
+    if str(TESTS.parent) not in sys.path:
+        sys.path.insert(0, str(TESTS.parent))
+    return importlib.import_module(TESTS.stem)
 
 
 def rows() -> list[str]:

@@ -93,7 +93,9 @@ def breakdown(c: Candidate) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hyper_parallel.models.plan", description=__doc__)
-    ap.add_argument("--model", required=True, help="deepseek-v3, kimi-linear or a config path")
+    ap.add_argument(
+        "--model", required=True, help="deepseek-v3, kimi-linear, qwen3-next or a config path"
+    )
     ap.add_argument("--devices", type=int, required=True, help="N: dp·cp·tp")
     ap.add_argument("--seq-len", type=_count, required=True, help="tokens a sequence (32k = 32768)")
     ap.add_argument("--rows", type=int, default=1, help="sequences per dp replica a step")
