@@ -31,7 +31,8 @@
    hidden 1024, 8 key and 16 value heads of 128 on an accelerator, the section 5 sizes and T
    on CPU) under ``parallelize_gated_deltanet`` at each protocol (p2p, allgather, grouped,
    auto) vs the stock serial layer on the whole sequence, and auto vs each protocol
-   (``kda_gdn_stock_layer_fwd_bwd/P4/*``); ``--no-gated-deltanet`` skips it.
+   (``kda_gdn_stock_layer_fwd_bwd/P4/*``); ``--no-gated-deltanet`` skips it,
+   ``--gated-deltanet-only --worlds 4`` runs it alone.
 
     python packages/hp-kda-kernels/benchmarks/bench_kda.py --out bench-results/kda.json [--quick]
     torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/bench_kda.py \
@@ -751,6 +752,8 @@ def _ranks_body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     def layer_overlap() -> list[dict[str, Any]]:
         return median_of_runs([bench_layer_overlap(cfg, device) for _ in range(cfg["repeat"])])
 
+    if cfg["gated_deltanet_only"]:
+        return bench_gated_deltanet(cfg, device)
     if cfg["link_only"]:
         records = exchange_link() if P == 4 else []
         return records + layer_overlap()
@@ -777,6 +780,10 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
     p.add_argument(
         "--no-gated-deltanet", action="store_true",
         help="skip section 8 (the stock Qwen3-Next Gated DeltaNet layer at 4 ranks)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gated-deltanet-only", action="store_true",
+        help="only section 8, at each of --worlds (e.g. --worlds 4)",
     )  # fmt: skip
     p.add_argument(
         "--worlds", default="2,4",
@@ -809,6 +816,7 @@ def _config(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
         link_bytes_per_s=a.link_bandwidth,
         worlds=[int(w) for w in a.worlds.split(",") if w.strip()],
         gated_deltanet=not a.no_gated_deltanet,
+        gated_deltanet_only=a.gated_deltanet_only,
         repeat=max(1, a.repeat),
     )
     return cfg, a.out
@@ -832,7 +840,8 @@ def main(argv: list[str] | None = None) -> None:
     if launched_by_torchrun():
         records = run_ranks(_torchrun_body, cfg)
     else:
-        records = [] if cfg["link_only"] else bench_summary(cfg)
+        only = cfg["link_only"] or cfg["gated_deltanet_only"]
+        records = [] if only else bench_summary(cfg)
         if cfg["worlds"] and max(cfg["worlds"]) > available_cores():
             print(f"note: {max(cfg['worlds'])} ranks on {available_cores()} cores: oversubscribed")
         for P in cfg["worlds"]:
