@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The modeled-link figures of issue 39, at one core per rank: run it in a quiet window.
 
-    python tools/link_figures.py [--dry-run] [--quick] [--keep-going]
+    python tools/link_figures.py [--dry-run] [--quick] [--keep-going] [--only DIST]
 
 What it measures (each benchmark at its default world, ``link_world``: at most one rank per
 available core, 2 on a 2-core host; every figure the median of 3 runs, each run interleaving
@@ -145,6 +145,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("--quick", action="store_true", help="small shapes, one run, no merge")
     p.add_argument("--keep-going", action="store_true", help="go on after a failed benchmark")
+    p.add_argument(
+        "--only", action="append", choices=[d for d, _, _ in RUNS],
+        help="this package's figures alone (repeatable); the others' records stay as they are",
+    )  # fmt: skip
     a = p.parse_args(argv)
     common = ["--quick", "--repeat", "1", "--split"] if a.quick else COMMON
     load = _load()
@@ -155,6 +159,8 @@ def main(argv: list[str]) -> int:
     failed = []
     start = time.perf_counter()
     for dist, script, args in RUNS:
+        if a.only and dist not in a.only:
+            continue
         out = OUT / f"{dist}.json"
         cmd = [sys.executable, str(ROOT / script), *args, *common, "--out", str(out)]
         print("$", " ".join(repr(c) if c == "" else c for c in cmd), flush=True)
