@@ -1,1 +1,1 @@
-__version__ = "0.3.12.dev0"
+__version__ = "0.3.12.dev1"
