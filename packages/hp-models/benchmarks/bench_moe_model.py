@@ -37,7 +37,14 @@ through ``_c10d_functional``) with hp-dtensor's ``comm.link_bytes`` rule, max ov
 the hp-models configurations also ``simulated_link``'s count (zero latency, unbounded
 bandwidth) as a cross-check.
 
+``--model qwen3-next``: the same three configurations on a stock Qwen3-Next (records
+``models_qwen3_next_moe_step/*``): float32, hidden 128, 4 layers in the family's pattern
+(Gated DeltaNet, Gated DeltaNet, Gated DeltaNet, gated attention with 4 query and 2 key/value
+heads), the first an MLP-only layer (``mlp_only_layers=[0]``), the other three MoE blocks of
+16 experts, top-4, with the gated shared expert; the main job's mesh (cp, tp) = (2, 2).
+
     python packages/hp-models/benchmarks/bench_moe_model.py --out f.json [--quick]
+    python packages/hp-models/benchmarks/bench_moe_model.py --model qwen3-next --out f.json
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ from hyper_parallel.models.testing import random_batch, tiny_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hp-moe" / "benchmarks"))
 import _hf_ep
 
-PREFIX = "models_deepseek_moe_step"
+PREFIXES = {"deepseek-v3": "models_deepseek_moe_step", "qwen3-next": "models_qwen3_next_moe_step"}
 WORLD = 4
 VOCAB = 512
 EXPERTS_IMPL = "grouped_mm"
@@ -143,6 +150,31 @@ class _DispatchBytes(TorchDispatchMode):
 
 # ---- the models and the step -------------------------------------------------------------------
 def _build(cfg: dict[str, Any], device: torch.device) -> nn.Module:
+    if cfg["model"] == "qwen3-next":
+        h = cfg["hidden"]
+        model = tiny_model(
+            "qwen3-next",
+            seed=0,
+            dtype=torch.float32,
+            vocab_size=VOCAB,
+            hidden_size=h,
+            intermediate_size=2 * h,
+            moe_intermediate_size=h // 2,
+            shared_expert_intermediate_size=h,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            mlp_only_layers=[0],
+            num_experts=cfg["experts"],
+            num_experts_per_tok=cfg["top_k"],
+        )
+        model.config._experts_implementation = EXPERTS_IMPL
+        return model.to(device)
     model = tiny_model(
         "deepseek",
         seed=0,
@@ -265,6 +297,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         sim[name] = int(max_over_ranks(float(bytes_per_call(fn))))
         params[name] = int(max_over_ranks(float(_expert_param_bytes(models[name]))))
     extra = {
+        "model": cfg["model"],
         "seq": cfg["seq"],
         "hidden": cfg["hidden"],
         "experts": cfg["experts"],
@@ -286,7 +319,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     pairs = [("hp_ep4", "hp_ep1"), ("hp_ep4", "hf_ep4")]
     return [
         bench_record(
-            f"{PREFIX}/{a}_vs_{b}",
+            f"{PREFIXES[cfg['model']]}/{a}_vs_{b}",
             times[a],
             times[b],
             peak_mem_ours=peak[a],
@@ -320,9 +353,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--model", choices=sorted(PREFIXES), default="deepseek-v3")
     a = p.parse_args(argv)
     seq, hidden, repeats = (128, 64, 2) if a.quick else (256, 128, 9)
     cfg = {
+        "model": a.model,
         "device": a.device,
         "seq": a.seq or seq,
         "hidden": a.hidden or hidden,
