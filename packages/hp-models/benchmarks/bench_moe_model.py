@@ -150,50 +150,49 @@ class _DispatchBytes(TorchDispatchMode):
 
 # ---- the models and the step -------------------------------------------------------------------
 def _build(cfg: dict[str, Any], device: torch.device) -> nn.Module:
+    h = cfg["hidden"]
     if cfg["model"] == "qwen3-next":
-        h = cfg["hidden"]
-        model = tiny_model(
+        kind, shape = (
             "qwen3-next",
-            seed=0,
-            dtype=torch.float32,
-            vocab_size=VOCAB,
-            hidden_size=h,
-            intermediate_size=2 * h,
-            moe_intermediate_size=h // 2,
-            shared_expert_intermediate_size=h,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=32,
-            linear_value_head_dim=32,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-            mlp_only_layers=[0],
-            num_experts=cfg["experts"],
-            num_experts_per_tok=cfg["top_k"],
+            {
+                "shared_expert_intermediate_size": h,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 32,
+                "linear_value_head_dim": 32,
+                "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                "mlp_only_layers": [0],
+                "num_experts": cfg["experts"],
+            },
         )
-        model.config._experts_implementation = EXPERTS_IMPL
-        return model.to(device)
+    else:
+        kind, shape = (
+            "deepseek",
+            {
+                "num_key_value_heads": 4,
+                "kv_lora_rank": 32,
+                "q_lora_rank": 48,
+                "qk_rope_head_dim": 16,
+                "qk_nope_head_dim": 32,
+                "v_head_dim": 32,
+                "num_hidden_layers": 4,
+                "first_k_dense_replace": 1,
+                "n_routed_experts": cfg["experts"],
+            },
+        )
     model = tiny_model(
-        "deepseek",
+        kind,
         seed=0,
         dtype=torch.float32,
         vocab_size=VOCAB,
-        hidden_size=cfg["hidden"],
-        intermediate_size=2 * cfg["hidden"],
-        moe_intermediate_size=cfg["hidden"] // 2,
+        hidden_size=h,
+        intermediate_size=2 * h,
+        moe_intermediate_size=h // 2,
         num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=48,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        num_hidden_layers=4,
-        first_k_dense_replace=1,
-        n_routed_experts=cfg["experts"],
         num_experts_per_tok=cfg["top_k"],
+        **shape,
     )
     model.config._experts_implementation = EXPERTS_IMPL  # shared by every experts module
     return model.to(device)

@@ -176,6 +176,23 @@ def kda_chunk_bytes(k_dim: int, v_dim: int, dtype: torch.dtype, kernel: str, chu
     return kept(2) - kept(1)
 
 
+def _attention_core_bytes(rows: int, heads: int, seq: int, b: int, impl: str) -> int:
+    """The float32 log-sum-exps of ``heads`` heads over ``rows × seq`` tokens, and the softmax
+    probabilities where the kernel keeps them (eager / sdpa-math)."""
+    probs = rows * heads * seq * seq * b if impl in ("eager", "sdpa-math") else 0
+    return 4 * rows * heads * seq + probs
+
+
+def _chunk_kernel_bytes(
+    rows: int, local: int, heads: int, k: int, v: int, dtype: torch.dtype, kernel: str
+) -> int:
+    """What the delta-rule chunk kernel keeps for ``rows × heads`` sequences of ``local``
+    tokens: :func:`kda_chunk_bytes` per chunk (hp-kda-kernels' rule: one short chunk below
+    ``KDA_CHUNK`` tokens)."""
+    chunk = min(KDA_CHUNK, local)
+    return rows * heads * -(-local // chunk) * kda_chunk_bytes(k, v, dtype, kernel, chunk)
+
+
 def _norm_bytes(n: int, d: int, b: int) -> int:
     c = 4 + b if b < 4 else 0
     return n * d * (4 + c) + 4 * n
@@ -209,9 +226,7 @@ def layer_bytes(
             + n * h * g("dv")
             + 2 * n * d
         )
-        out += elems * b + 4 * rows * hl * seq
-        if attn_implementation in ("eager", "sdpa-math"):
-            out += rows * hl * seq * seq * b
+        out += elems * b + _attention_core_bytes(rows, hl, seq, b, attn_implementation)
     elif shape.attn == "gqa":
         h, hkv, hd = g("H"), g("Hkv"), g("d")
         hl, kvl = h // p, max(1, hkv // p)
@@ -222,25 +237,17 @@ def layer_bytes(
             + rows * seq * (2 * hl + 2 * kvl) * hd
             + n * h * hd * (3 if g("gated") else 1)
         )
-        out += elems * b + 4 * rows * hl * seq
-        if attn_implementation in ("eager", "sdpa-math"):
-            out += rows * hl * seq * seq * b
+        out += elems * b + _attention_core_bytes(rows, hl, seq, b, attn_implementation)
     elif shape.attn == "gdn":
         hk, hv, k, v = g("Hk"), g("Hv"), g("K"), g("V")
         qkv = 2 * hk * k + hv * v
         elems = n * (2 * hk * k + 2 * hv * v + 2 * hv) + 3 * n * qkv + 2 * n * (hk + hv) * k
         out += (elems + 5 * n * hv * v + 23 * n * hv * k) * b + 8 * n * hv + 4 * n * hv * v
-        local = seq // p
-        chunk = min(KDA_CHUNK, local)
-        chunks = rows * hv * -(-local // chunk)
-        out += 2 * chunks * kda_chunk_bytes(k, v, dtype, kda_kernel, chunk)
+        out += 2 * _chunk_kernel_bytes(rows, seq // p, hv, k, v, dtype, kda_kernel)
     else:
         h, k = g("H"), g("K")
         out += (23 * n * h * k + n * (2 * k + 4 * h) + n * d) * b
-        local = seq // p
-        chunk = min(KDA_CHUNK, local)  # hp-kda-kernels' rule: one short chunk below 64 tokens
-        chunks = rows * h * -(-local // chunk)
-        out += chunks * kda_chunk_bytes(k, k, dtype, kda_kernel, chunk)
+        out += _chunk_kernel_bytes(rows, seq // p, h, k, k, dtype, kda_kernel)
     if shape.mlp == "dense":
         out += (4 * n * g("I") + n * d) * b
     else:
