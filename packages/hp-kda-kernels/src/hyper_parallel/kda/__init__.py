@@ -26,6 +26,13 @@ from .layer import kda_context_parallel
 from .merge import KERNELS, affine_merge, affine_scan, choose_backend, choose_kernel
 from .naive import naive_recurrent_kda, naive_state_summary
 from .packing import PackedBlock, packed_block
+from .stock import (
+    LOCAL_KERNELS,
+    StockKernel,
+    resolve_local_kernel,
+    run_stock_with_executor,
+    stock_kernel,
+)
 from .parallelize import (
     SUPPORTED_KDA_CLASSES,
     ContextParallelKDA,
@@ -37,6 +44,7 @@ from .parallelize import (
 __all__ = [
     "DEFAULT_COST_PARAMS",
     "KERNELS",
+    "LOCAL_KERNELS",
     "PROTOCOLS",
     "SUPPORTED_GDN_CLASSES",
     "SUPPORTED_KDA_CLASSES",
@@ -49,6 +57,7 @@ __all__ = [
     "CostParams",
     "ProtocolChoice",
     "StateExchange",
+    "StockKernel",
     "__version__",
     "affine_merge",
     "affine_scan",
@@ -66,8 +75,11 @@ __all__ = [
     "packed_block",
     "parallelize_gated_deltanet",
     "parallelize_kda",
+    "resolve_local_kernel",
+    "run_stock_with_executor",
     "start_causal_conv_halo",
     "state_summary",
+    "stock_kernel",
     "unparallelize_gated_deltanet",
     "unparallelize_kda",
 ]

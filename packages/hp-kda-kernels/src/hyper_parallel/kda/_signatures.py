@@ -88,6 +88,7 @@ def forward_fields(
         "protocol_chosen": _protocol_chosen,
         "kernel": lambda a: _state(a).executor.kernel,
         "kernel_chosen": _kernel_chosen,
+        "local_kernel": lambda a: _state(a).local_kernel,
         "layer": lambda a: signature(a.self),
         "param_dtypes": lambda a: sorted({str(p.dtype) for p in a.self.parameters()}),
         "autocast": lambda a: _autocast_state(a.hidden_states.device.type),

@@ -66,7 +66,8 @@ from .halo import start_causal_conv_halo
 from .layer import check_inputs, executor_for, kda_context_parallel, run_with_executor
 from .packing import place_block
 from .parallelize import _check_call as check_call
-from .parallelize import check_rewrite, conv_block, l2norm
+from .parallelize import check_rewrite, conv_block, l2norm, local_compute
+from .stock import StockKernel, run_stock_with_executor
 
 __all__ = [
     "SUPPORTED_GDN_CLASSES",
@@ -185,6 +186,12 @@ class _GDNState:
     layer_class: str
     activation: Callable[[torch.Tensor], torch.Tensor]
     executor: StateExchange
+    local: StockKernel | None = None  # the stock kernel as the local compute, or the project's
+
+    @property
+    def local_kernel(self) -> str:
+        """The resolved ``local_kernel``: ``"stock"`` or ``"torch"``."""
+        return "torch" if self.local is None else "stock"
 
 
 def _project(
@@ -247,11 +254,14 @@ def _cp_forward(
     H, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
     q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q, k = (t.reshape(B, T, self.num_k_heads, K) for t in (q, k))
-    q, k, g_k = _as_kda(l2norm(q.float()), l2norm(k.float()), g, H)
     v = v.reshape(B, T, H, V)
     ex = state.executor
-    check_inputs(q, k, v, g_k, beta, None, _CHUNK, ex.kernel, state.mesh)
-    o, _ = run_with_executor(q, k, v, g_k, beta, ex, chunk_size=_CHUNK, packed=packed)
+    if state.local is not None and T:  # the stock kernel: its own layouts, l2-norm, head groups
+        o, _ = run_stock_with_executor(state.local, q, k, v, g, beta, ex, packed=packed)
+    else:
+        q, k, g_k = _as_kda(l2norm(q.float()), l2norm(k.float()), g, H)
+        check_inputs(q, k, v, g_k, beta, None, _CHUNK, ex.kernel, state.mesh)
+        o, _ = run_with_executor(q, k, v, g_k, beta, ex, chunk_size=_CHUNK, packed=packed)
     o = self.norm(o.reshape(-1, V), z.reshape(-1, V)).reshape(B, T, H * V)
     return self.out_proj(o)
 
@@ -283,7 +293,7 @@ def _dims(module: Any) -> tuple[int, int, int]:
 
 @checked_entry(
     "parallelize_gated_deltanet",
-    compare=("protocol", "group_size", "kernel"),
+    compare=("protocol", "group_size", "kernel", "local_kernel"),
     group="cp_mesh",
     extra=GDN_PARALLELIZE_FIELDS,
 )
@@ -294,6 +304,7 @@ def parallelize_gated_deltanet(
     protocol: str = "auto",
     group_size: int | None = None,
     kernel: str = "auto",
+    local_kernel: str = "auto",
 ) -> nn.Module:
     """Rewrite a stock Gated DeltaNet layer in place for context parallelism over the 1-D
     ``cp_mesh`` (:data:`SUPPORTED_GDN_CLASSES`).
@@ -318,8 +329,11 @@ def parallelize_gated_deltanet(
         layer_name=GDN_LAYER, classes=SUPPORTED_GDN_CLASSES,
         attributes=_COMMON + _projections(module), dims=_dims,
     )  # fmt: skip
+    local = local_compute(module, local_kernel, "torch_chunk_gated_delta_rule")
     executor = executor_for(cp_mesh, protocol, group_size, kernel, None)
-    state = _GDNState(cp_mesh, protocol, group_size, type(module).__name__, activation, executor)
+    state = _GDNState(
+        cp_mesh, protocol, group_size, type(module).__name__, activation, executor, local
+    )
     install_forward(module, GDN_LAYER, state, _make_forward, prefix="ContextParallel")
     return module
 
@@ -348,13 +362,19 @@ class ContextParallelGatedDeltaNet(ParallelStyle):
     """
 
     def __init__(
-        self, protocol: str = "auto", *, group_size: int | None = None, kernel: str = "auto"
+        self,
+        protocol: str = "auto",
+        *,
+        group_size: int | None = None,
+        kernel: str = "auto",
+        local_kernel: str = "auto",
     ) -> None:
         super().__init__()
         self.protocol, self.group_size, self.kernel = protocol, group_size, kernel
+        self.local_kernel = local_kernel
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         return parallelize_gated_deltanet(
             module, device_mesh, protocol=self.protocol, group_size=self.group_size,
-            kernel=self.kernel,
+            kernel=self.kernel, local_kernel=self.local_kernel,
         )  # fmt: skip

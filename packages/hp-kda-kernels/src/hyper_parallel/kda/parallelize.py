@@ -51,6 +51,7 @@ from .layer import (
 )
 from .merge import KERNELS
 from .packing import document_conv, place_block
+from .stock import LOCAL_KERNELS, StockKernel, resolve_local_kernel, run_stock_with_executor, stock_kernel
 
 __all__ = [
     "SUPPORTED_KDA_CLASSES",
@@ -93,6 +94,12 @@ class _KDAState:
     layer_class: str
     activation: Callable[[torch.Tensor], torch.Tensor]
     executor: StateExchange  # the state exchange every forward runs (and its backward)
+    local: StockKernel | None = None  # the stock kernel as the local compute, or the project's
+
+    @property
+    def local_kernel(self) -> str:
+        """The resolved ``local_kernel``: ``"stock"`` or ``"torch"``."""
+        return "torch" if self.local is None else "stock"
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -186,10 +193,14 @@ def _cp_forward(
     gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
     conv = conv_block(pending, mixed, self.conv1d, packed, state.activation)
     q, k, v = (t.reshape(heads) for t in conv.split(self.num_heads * self.head_dim, dim=-1))
-    q, k = l2norm(q.float()), l2norm(k.float())
     ex = state.executor
-    check_inputs(q, k, v, g, beta, None, _CHUNK, ex.kernel, state.mesh)
-    o, _ = run_with_executor(q, k, v, g, beta, ex, chunk_size=_CHUNK, packed=packed)
+    if state.local is not None and T:  # the stock kernel normalises q and k itself
+        check_inputs(q, k, v, g, beta, None, _CHUNK, ex.kernel, state.mesh)
+        o, _ = run_stock_with_executor(state.local, q, k, v, g, beta, ex, packed=packed)
+    else:
+        q, k = l2norm(q.float()), l2norm(k.float())
+        check_inputs(q, k, v, g, beta, None, _CHUNK, ex.kernel, state.mesh)
+        o, _ = run_with_executor(q, k, v, g, beta, ex, chunk_size=_CHUNK, packed=packed)
     return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -263,6 +274,23 @@ def check_rewrite(
     return _ACTIVATIONS[module.activation]
 
 
+def local_compute(module: Any, local_kernel: Any, name: str) -> StockKernel | None:
+    """The stock kernel ``local_kernel`` selects for ``module`` (its modeling module's chunk
+    function ``name``), or None for the project's torch path; checks before any
+    communication."""
+    if local_kernel not in LOCAL_KERNELS:
+        raise ValueError(f"unknown local_kernel {local_kernel!r}; expected one of {LOCAL_KERNELS}")
+    if local_kernel == "torch":
+        return None
+    try:
+        found = stock_kernel(module, name)
+    except TypeError:
+        if local_kernel == "stock":
+            raise
+        return None
+    return found if resolve_local_kernel(local_kernel, found) == "stock" else None
+
+
 def _validate(
     layer: nn.Module, cp_mesh: Any, protocol: Any, kernel: Any
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -277,7 +305,7 @@ def _validate(
 @accepts_backend("parallelize_kda")
 @checked_entry(
     "parallelize_kda",
-    compare=("protocol", "group_size", "kernel"),
+    compare=("protocol", "group_size", "kernel", "local_kernel"),
     group="cp_mesh",
     extra=PARALLELIZE_FIELDS,
 )
@@ -288,6 +316,7 @@ def parallelize_kda(
     protocol: str = "auto",
     group_size: int | None = None,
     kernel: str = "auto",
+    local_kernel: str = "auto",
 ) -> nn.Module:
     """Rewrite a stock KDA layer in place for context parallelism over the 1-D ``cp_mesh``.
 
@@ -301,12 +330,19 @@ def parallelize_kda(
     the same order, and the module keeps it: a forward neither builds nor looks up an
     executor. ``kernel`` is its merge/scan fold kernel (``"auto"``, ``"torch"``,
     ``"triton"``, see :func:`choose_kernel`; ``backend=`` is accepted as a deprecated name).
-    Returns ``module``.
+    ``local_kernel`` is each rank's local compute of the recurrence (:mod:`hyper_parallel.kda.stock`):
+    ``"stock"``, the chunk function the stock layer itself calls (``chunk_kimi_delta_attention``
+    of its modeling module: fla's fused ``chunk_kda`` where transformers bound it to fla, its
+    PyTorch reference elsewhere), called twice a block (the summary, then the outputs from the
+    incoming state) with gradients through its own backward; ``"torch"``, the project's lean
+    chunk path (:mod:`hyper_parallel.kda.lean`); ``"auto"`` (default), the stock kernel
+    exactly when it is fused (fla's), else the project's path. Returns ``module``.
 
     Errors before any communication, leaving the module untouched: ``TypeError`` (a module
-    other than :data:`SUPPORTED_KDA_CLASSES`, ``cp_mesh`` not a DeviceMesh), ``RuntimeError``
+    other than :data:`SUPPORTED_KDA_CLASSES`, ``cp_mesh`` not a DeviceMesh,
+    ``local_kernel="stock"`` for a layer whose module has no chunk function), ``RuntimeError``
     (already parallelized), ``ValueError`` (mesh not 1-D or not in chronological rank order,
-    unknown protocol or kernel, bad ``group_size``, unsupported activation, ``kernel="triton"``
+    unknown protocol, kernel or local_kernel, bad ``group_size``, unsupported activation, ``kernel="triton"``
     with a head dim it does not support). At call time, on every
     rank: ``cache_params`` or ``attention_mask`` not None, ``seq_idx``, a bad ``cu_seqlens``
     (see below) or a malformed ``hidden_states`` raise ``ValueError``.
@@ -335,9 +371,12 @@ def parallelize_kda(
     more, nor does its backward.
     """
     activation = _validate(module, cp_mesh, protocol, kernel)
+    local = local_compute(module, local_kernel, "chunk_kimi_delta_attention")
     # checks, then builds (or takes this world's executor for these options): once, here
     executor = executor_for(cp_mesh, protocol, group_size, kernel, None)
-    state = _KDAState(cp_mesh, protocol, group_size, type(module).__name__, activation, executor)
+    state = _KDAState(
+        cp_mesh, protocol, group_size, type(module).__name__, activation, executor, local
+    )
     install_forward(module, LAYER, state, _make_forward, prefix="ContextParallel")
     return module
 
@@ -363,10 +402,16 @@ class ContextParallelKDA(ParallelStyle):
 
     @accepts_backend("ContextParallelKDA")
     def __init__(
-        self, protocol: str = "auto", *, group_size: int | None = None, kernel: str = "auto"
+        self,
+        protocol: str = "auto",
+        *,
+        group_size: int | None = None,
+        kernel: str = "auto",
+        local_kernel: str = "auto",
     ) -> None:
         super().__init__()
         self.protocol, self.group_size, self.kernel = protocol, group_size, kernel
+        self.local_kernel = local_kernel
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         return parallelize_kda(
@@ -375,4 +420,5 @@ class ContextParallelKDA(ParallelStyle):
             protocol=self.protocol,
             group_size=self.group_size,
             kernel=self.kernel,
+            local_kernel=self.local_kernel,
         )
