@@ -1,1 +1,1 @@
-__version__ = "0.3.9.dev1"
+__version__ = "0.3.9.dev2"

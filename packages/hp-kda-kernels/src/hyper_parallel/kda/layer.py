@@ -29,8 +29,10 @@ from hyper_parallel.dtensor.consistency import checked_entry
 
 from ._checks import check_chunk_size, check_kernel_dims, check_qkv, table_values
 from ._renamed import accepts_backend
-from .chunk import compose_chunks, output_terms, run_chunks, summary_terms
+from .chunk import compose_chunks, run_chunks, summary_terms
+from .chunk import output_terms as chunk_output_terms
 from .cost import CostParams, choose_protocol
+from .lean import LeanTerms, lean_output_terms, lean_outputs, lean_summary
 from .exchange import PendingExchange, StateExchange, build_state_exchange, default_width
 from .merge import choose_kernel
 from .packing import PackedBlock, place_block
@@ -46,6 +48,10 @@ _EXECUTORS: WorldCache[tuple[Any, ...], StateExchange] = WorldCache()
 # backward). False runs the earlier schedule (every local term, then the exchange); the
 # results are bitwise the same (the benchmark compares the two schedules' times).
 _OVERLAP = True
+# The project's torch path keeps only inputs and per-chunk maps for backward and recomputes the
+# intra-chunk terms there (:mod:`hyper_parallel.kda.lean`). False runs the earlier path under
+# plain autograd (every chunk's pairwise terms kept): the benchmark compares the two.
+_LEAN = True
 
 
 def executor_for(
@@ -323,17 +329,20 @@ def run_with_executor(
         S = q.new_zeros(B, H, K, V, dtype=torch.float32)
         M = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, H, K, K).contiguous()
         anchors = (q, k, v, g, beta)
+    elif _LEAN:
+        lean = lean_summary(f32[1], f32[2], f32[3], f32[4], chunk_size, resets)
+        S, M = lean[0], lean[1]
     else:
         staged = summary_terms(f32[1], f32[2], f32[3], f32[4], chunk_size, resets)
         S, M = compose_chunks(staged)
     if h0 is not None:
         S = M @ h0 + S
     if T and not _OVERLAP:  # the earlier schedule: every local term before the exchange
-        local = output_terms(staged, f32[0], scale)
+        local = output_terms(lean[2] if _LEAN else staged, f32[0], scale)
     state = _Exchange(ex)
     started = overlap.launch(state, state.pack(S, M, anchors))
     if T and _OVERLAP:  # the chunks' own attention, while the exchange is in flight
-        local = output_terms(staged, f32[0], scale)
+        local = output_terms(lean[2] if _LEAN else staged, f32[0], scale)
     h_x = overlap.wait(state, started)
     h_in = h_x + h0 if h0 is not None else h_x
     if T == 0:
@@ -341,6 +350,16 @@ def run_with_executor(
         # rank's (empty) output still reaches the exchange's backward.
         o = (f32[0].transpose(1, 2) @ h_in).transpose(1, 2)
         h_out = h_in
+    elif _LEAN:
+        o, h_out = lean_outputs(lean[2], local, h_in)
     else:
         o, h_out = run_chunks((staged.S_c, staged.M_c, *local), h_in, T)
     return o.to(v.dtype), (h_out if output_final_state and last else None)
+
+
+def output_terms(terms: Any, q: torch.Tensor, scale: float) -> Any:
+    """The block's state-independent output terms ``(Q_eff, O_c)`` (what runs while the
+    exchange is in flight) on the lean path or the earlier one."""
+    if isinstance(terms, LeanTerms):
+        return lean_output_terms(terms, q, scale)
+    return chunk_output_terms(terms, q, scale)

@@ -1,0 +1,106 @@
+"""The lean chunk path (:mod:`hyper_parallel.kda.lean`) against its twin, the chunk path under
+plain autograd: the same summary, outputs, final state and every gradient (float64, within
+rounding) for B = 2, lengths that are not a multiple of the chunk, wide gate ranges
+(sub-chunked factors), packed documents and an incoming state; and what it keeps for backward
+is exactly its documented set (inputs, ``U``, ``W``, ``Q_eff``, the incoming state), a
+fraction of what the chunk path keeps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _kda_testutil import kda_inputs, max_rel_err
+
+from hyper_parallel.kda.chunk import compose_chunks, output_terms, run_chunks, summary_terms
+from hyper_parallel.kda.lean import lean_output_terms, lean_outputs, lean_summary
+
+# (B, T, chunk, wide gates, document starts or None)
+CASES = [
+    (2, 37, 16, False, None),
+    (2, 37, 16, True, None),
+    (1, 50, 16, False, [7, 20, 33]),
+    (1, 64, 64, True, [10, 40]),
+    (1, 5, 64, False, None),
+]
+
+
+def _run(lean: bool, xs: list[torch.Tensor], resets: Any, C: int) -> tuple[torch.Tensor, ...]:
+    q, k, v, g, beta, h0 = xs
+    scale = q.shape[-1] ** -0.5
+    if lean:
+        S, M, terms = lean_summary(k, v, g, beta, C, resets)
+        o, h = lean_outputs(terms, lean_output_terms(terms, q, scale), h0)
+    else:
+        staged = summary_terms(k, v, g, beta, C, resets)
+        S, M = compose_chunks(staged)
+        o, h = run_chunks((staged.S_c, staged.M_c, *output_terms(staged, q, scale)), h0, q.shape[1])
+    return o, h, S, M
+
+
+def _inputs(B: int, T: int, wide: bool, starts: Any) -> tuple[list[torch.Tensor], Any]:
+    q, k, v, g, beta, h0 = kda_inputs(B, T, 3, 8, 4, seed=T)
+    if wide:  # in-chunk gate ranges far above 60: the sub-chunked factors
+        g = g * 200
+    resets = None
+    if starts:
+        resets = torch.zeros(B, T, dtype=torch.float64)
+        resets[:, starts] = 1
+    return [q, k, v, g, beta, h0], resets
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_lean_path_equals_chunk_path_outputs_state_and_every_gradient(case: Any) -> None:
+    B, T, C, wide, starts = case
+    inputs, resets = _inputs(B, T, wide, starts)
+    results = []
+    for lean in (True, False):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        outs = _run(lean, xs, resets, C)
+        gen = torch.Generator().manual_seed(1)
+        sum((y * torch.randn(y.shape, generator=gen, dtype=y.dtype)).sum() for y in outs).backward()
+        results.append([y.detach() for y in outs] + [x.grad for x in xs])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert b.abs().max() > 0 or (i == 3 and starts), i  # M = 0 across a document start
+        assert max_rel_err(a, b) < 1e-12, (case, i)
+
+
+def _saved_bytes(lean: bool, B: int, T: int, H: int, K: int) -> tuple[int, dict[str, int]]:
+    """Bytes of the distinct storages autograd keeps for backward across one block's summary
+    and outputs, and the sizes of the named tensors of the lean path's documented set."""
+    xs = [x.float().requires_grad_() for x in kda_inputs(B, T, H, K, K, seed=3)]
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        kept[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        q, k, v, g, beta, h0 = xs
+        if lean:
+            S, M, terms = lean_summary(k, v, g, beta, 64)
+            local = lean_output_terms(terms, q, K**-0.5)
+            lean_outputs(terms, local, h0)
+            named = {"U": terms.U, "W": terms.W, "S_c": terms.S_c, "M_c": terms.M_c,
+                     "Q_eff": local[0]}  # fmt: skip
+        else:
+            _run(False, xs, None, 64)
+            named = {}
+    sizes = {n: t.untyped_storage().nbytes() for n, t in named.items()}
+    return sum(kept.values()), sizes
+
+
+def test_lean_path_keeps_inputs_ut_solutions_effective_queries_and_chunk_maps_only() -> None:
+    B, T, H, K = 1, 512, 1, 128  # one head of the real size (Kimi-Linear, Qwen3-Next)
+    lean, sizes = _saved_bytes(True, B, T, H, K)
+    earlier, _ = _saved_bytes(False, B, T, H, K)
+    f32 = 4
+    inputs = f32 * B * T * H * (4 * K + 1)  # q, k, v, g (K = V) and beta
+    # U and W share one storage (the UT solve's [U | W]); h_in is the caller's state
+    documented = inputs + sizes["U"] + sizes["Q_eff"]
+    assert sizes["U"] == sizes["W"] == f32 * B * H * T * 2 * K
+    documented += f32 * B * H * K * K  # h_in
+    assert lean == documented, (lean, documented, sizes)
+    assert lean < 0.3 * earlier, (lean, earlier)
