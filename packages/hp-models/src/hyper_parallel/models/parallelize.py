@@ -24,7 +24,7 @@ from torch import nn
 from hyper_parallel.context_parallel import STRATEGIES
 from hyper_parallel.dtensor import DeviceMesh, checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized
-from hyper_parallel.kda import PROTOCOLS
+from hyper_parallel.kda import LOCAL_KERNELS, PROTOCOLS
 from hyper_parallel.models.checkpoint import save_pretrained_member
 from hyper_parallel.models.experts import MoEState, check_ep, expert_meshes, install_moe
 from hyper_parallel.models.families import ModelFamily, family_of
@@ -57,6 +57,7 @@ def _validate(
     kda_protocol: str,
     grad_reduction: str,
     ep: Any = 1,
+    local_kernel: Any = "auto",
 ) -> tuple[ModelFamily, nn.Module, dict[str, Role]]:
     """Every check, collective-free and identical on every rank."""
     if is_parallelized(model, LAYER):
@@ -74,6 +75,8 @@ def _validate(
         raise TypeError(f"overlap must be a bool, got {overlap!r}")
     if kda_protocol not in _KDA_PROTOCOLS:
         raise ValueError(f"kda_protocol must be one of {_KDA_PROTOCOLS}, got {kda_protocol!r}")
+    if local_kernel not in LOCAL_KERNELS:
+        raise ValueError(f"local_kernel must be one of {LOCAL_KERNELS}, got {local_kernel!r}")
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
     if grad_reduction == "fsdp" and not fsdp_available():
@@ -116,7 +119,7 @@ def _resolved_reduction(grad_reduction: Any) -> Any:
 # involves every process
 @checked_entry(
     "parallelize_model",
-    compare=("mla_strategy", "overlap", "kda_protocol", "ep"),
+    compare=("mla_strategy", "overlap", "kda_protocol", "local_kernel", "ep"),
     extra={
         "model": lambda args: type(args.model).__name__,
         "family": lambda args: family_of(args.model)[0].name,
@@ -138,6 +141,7 @@ def parallelize_model(
     grad_reduction: str = "auto",
     mp_policy: Any = None,
     ep: int = 1,
+    local_kernel: str = "auto",
 ) -> nn.Module:
     """Parallelise a stock ``KimiLinearForCausalLM``/``KimiLinearModel``,
     ``DeepseekV3ForCausalLM``/``DeepseekV3Model`` or ``Qwen3NextForCausalLM``/``Qwen3NextModel``
@@ -158,8 +162,11 @@ def parallelize_model(
 
     ``mla_strategy`` (``"latent"``/``"expanded"``) and ``overlap`` go to ``parallelize_mla``
     (``overlap`` to ``parallelize_attention`` too), ``kda_protocol``
-    (``"auto"``/``"p2p"``/``"allgather"``/``"grouped"``) to ``parallelize_kda`` and
-    ``parallelize_gated_deltanet``.
+    (``"auto"``/``"p2p"``/``"allgather"``/``"grouped"``) and ``local_kernel`` to
+    ``parallelize_kda`` and ``parallelize_gated_deltanet``: ``local_kernel="stock"`` makes each
+    rank run the stock layer's own chunk function (fla's fused ``chunk_kda`` /
+    ``chunk_gated_delta_rule`` where transformers bound it to fla), ``"torch"`` hp-kda-kernels'
+    lean chunk path, ``"auto"`` (default) the stock one exactly when it is fla's.
 
     ``grad_reduction``: ``"fsdp"`` wraps the blocks with torch's FSDP2 ``fully_shard`` over the
     mesh each block needs (gradients summed during backward, parameters sharded; see
@@ -194,17 +201,18 @@ def parallelize_model(
     before the sub-meshes are created), every process of the job (the default group) compares
     the model's class and family, the role of every block, the parameter dtypes and count, the
     mesh's shape and dim names, and the options (``mla_strategy``, ``overlap``,
-    ``kda_protocol``, the resolved ``grad_reduction``, ``mp_policy``, ``ep``); the forward
+    ``kda_protocol``, ``local_kernel``, the resolved ``grad_reduction``, ``mp_policy``,
+    ``ep``); the forward
     then compares its keyword arguments over the flattened mesh, for its layers too.
     """
     fam, base, roles = _validate(
-        model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction, ep
+        model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction, ep, local_kernel
     )
     check_mp_policy(mp_policy, grad_reduction)
     if grad_reduction == "auto":
         grad_reduction = "fsdp" if fsdp_available() else "allreduce"
     sm = sequence_mesh(mesh)
-    options = BlockOptions(mla_strategy, overlap, kda_protocol)
+    options = BlockOptions(mla_strategy, overlap, kda_protocol, local_kernel)
     for path, role in roles.items():
         role.apply(base.get_submodule(path), sm, options)
     moe = MoEState(ep)

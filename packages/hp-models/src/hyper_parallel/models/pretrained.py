@@ -180,7 +180,7 @@ def from_pretrained(
     ``model.safetensors.index.json``), as downloaded or as ``save_pretrained`` (stock or
     hp-models') writes it; the config must name ``KimiLinearForCausalLM`` or
     ``DeepseekV3ForCausalLM``. ``mesh``, ``ep`` and ``kwargs`` (``grad_reduction``,
-    ``mp_policy``, ``mla_strategy``, ``overlap``, ``kda_protocol``) go to
+    ``mp_policy``, ``mla_strategy``, ``overlap``, ``kda_protocol``, ``local_kernel``) go to
     :func:`~hyper_parallel.models.parallelize_model`. ``dtype``: the parameters' dtype (``None``:
     the config's ``dtype``); FP8 weights (``quantization_config.quant_method == "fp8"``) are
     dequantised to it. ``attn_implementation`` / ``experts_implementation``: as in

@@ -67,6 +67,7 @@ class BlockOptions:
     mla_strategy: str = "latent"
     overlap: bool = True
     kda_protocol: str = "auto"
+    local_kernel: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -117,13 +118,17 @@ class _Attention(Role):
 @dataclass(frozen=True)
 class _KDA(Role):
     def apply(self, block: nn.Module, sm: Any, options: BlockOptions) -> None:
-        parallelize_kda(block, sm.flat, protocol=options.kda_protocol)
+        parallelize_kda(
+            block, sm.flat, protocol=options.kda_protocol, local_kernel=options.local_kernel
+        )
 
 
 @dataclass(frozen=True)
 class _GDN(Role):
     def apply(self, block: nn.Module, sm: Any, options: BlockOptions) -> None:
-        parallelize_gated_deltanet(block, sm.flat, protocol=options.kda_protocol)
+        parallelize_gated_deltanet(
+            block, sm.flat, protocol=options.kda_protocol, local_kernel=options.local_kernel
+        )
 
 
 @dataclass(frozen=True)

@@ -35,16 +35,16 @@ its own card). ``W`` is torchrun's world, or ``max(--cp)`` processes started her
 device is npu), gloo on CPU. Launch (from the repository root)::
 
     # CUDA, one node with 4 GPUs (cp 1, 2 and 4 in one launch)
-    torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/bench_kda_device.py
-    python packages/hp-kda-kernels/benchmarks/bench_kda_device.py --spawn   # the same, no torchrun
+    torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/device_kda.py
+    python packages/hp-kda-kernels/benchmarks/device_kda.py --spawn   # the same, no torchrun
 
     # Ascend NPU: the same commands (found when torch_npu is installed and CUDA is not; or
     # --device npu); torchrun --nproc-per-node 2 measures cp 1 and 2 only
-    torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/bench_kda_device.py \\
+    torchrun --nproc-per-node 4 packages/hp-kda-kernels/benchmarks/device_kda.py \\
         --device npu --tokens 65536 --out bench-results/kda_device_npu.json
 
     # CPU dry run (tiny sizes, fp32, 4 gloo processes, transformers' torch reference kernels)
-    OMP_NUM_THREADS=1 python packages/hp-kda-kernels/benchmarks/bench_kda_device.py --dry-run
+    OMP_NUM_THREADS=1 python packages/hp-kda-kernels/benchmarks/device_kda.py --dry-run
 
 On CPU (``--dry-run``, or ``--device cpu``) the modeling modules are imported on their PyTorch
 path (fla's Triton kernels do not run there): the numbers only prove the script works. Rank 0
