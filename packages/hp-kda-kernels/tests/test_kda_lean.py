@@ -13,6 +13,7 @@ import pytest
 import torch
 from _kda_testutil import kda_inputs, max_rel_err
 
+from hyper_parallel.kda import lean as lean_mod
 from hyper_parallel.kda.chunk import compose_chunks, output_terms, run_chunks, summary_terms
 from hyper_parallel.kda.lean import lean_output_terms, lean_outputs, lean_summary
 
@@ -50,8 +51,24 @@ def _inputs(B: int, T: int, wide: bool, starts: Any) -> tuple[list[torch.Tensor]
     return [q, k, v, g, beta, h0], resets
 
 
+# (block budget, maps budget): one block and one head slice for everything; one head and one
+# chunk a block, one head a slice; two of the three heads a block and a slice (uneven)
+BUDGETS = {
+    "whole": (1 << 21, 1 << 20),
+    "single": (1, 1),
+    "uneven": (2 * 16 * 16 * 8 * 2, 2 * 4 * 8 * 12 * 2),
+}
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
-def test_lean_path_equals_chunk_path_outputs_state_and_every_gradient(case: Any) -> None:
+def test_lean_path_equals_chunk_path_outputs_state_and_every_gradient(
+    case: Any, budget: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also with the work cut into one-head, one-chunk blocks and head slices, and into
+    uneven ones (the block and slice loops of backward)."""
+    monkeypatch.setattr(lean_mod, "_BLOCK_BUDGET", BUDGETS[budget][0])
+    monkeypatch.setattr(lean_mod, "_MAPS_BUDGET", BUDGETS[budget][1])
     B, T, C, wide, starts = case
     inputs, resets = _inputs(B, T, wide, starts)
     results = []
@@ -80,11 +97,10 @@ def _saved_bytes(lean: bool, B: int, T: int, H: int, K: int) -> tuple[int, dict[
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         q, k, v, g, beta, h0 = xs
         if lean:
-            S, M, terms = lean_summary(k, v, g, beta, 64)
+            _, _, terms = lean_summary(k, v, g, beta, 64)
             local = lean_output_terms(terms, q, K**-0.5)
             lean_outputs(terms, local, h0)
-            named = {"U": terms.U, "W": terms.W, "S_c": terms.S_c, "M_c": terms.M_c,
-                     "Q_eff": local[0]}  # fmt: skip
+            named = {"U": terms.U, "W": terms.W, "Q_eff": local[0]}
         else:
             _run(False, xs, None, 64)
             named = {}
@@ -98,9 +114,7 @@ def test_lean_path_keeps_inputs_ut_solutions_effective_queries_and_chunk_maps_on
     earlier, _ = _saved_bytes(False, B, T, H, K)
     f32 = 4
     inputs = f32 * B * T * H * (4 * K + 1)  # q, k, v, g (K = V) and beta
-    # U and W share one storage (the UT solve's [U | W]); h_in is the caller's state
-    documented = inputs + sizes["U"] + sizes["Q_eff"]
-    assert sizes["U"] == sizes["W"] == f32 * B * H * T * 2 * K
-    documented += f32 * B * H * K * K  # h_in
+    documented = inputs + sizes["U"] + sizes["W"] + sizes["Q_eff"] + f32 * B * H * K * K  # h_in
+    assert sizes["U"] == sizes["W"] == sizes["Q_eff"] == f32 * B * H * T * K
     assert lean == documented, (lean, documented, sizes)
     assert lean < 0.3 * earlier, (lean, earlier)

@@ -26,19 +26,19 @@ from .layer import kda_context_parallel
 from .merge import KERNELS, affine_merge, affine_scan, choose_backend, choose_kernel
 from .naive import naive_recurrent_kda, naive_state_summary
 from .packing import PackedBlock, packed_block
-from .stock import (
-    LOCAL_KERNELS,
-    StockKernel,
-    resolve_local_kernel,
-    run_stock_with_executor,
-    stock_kernel,
-)
 from .parallelize import (
     SUPPORTED_KDA_CLASSES,
     ContextParallelKDA,
     is_kda_parallel,
     parallelize_kda,
     unparallelize_kda,
+)
+from .stock import (
+    LOCAL_KERNELS,
+    StockKernel,
+    resolve_local_kernel,
+    run_stock_with_executor,
+    stock_kernel,
 )
 
 __all__ = [

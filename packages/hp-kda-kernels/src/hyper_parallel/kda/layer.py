@@ -32,8 +32,8 @@ from ._renamed import accepts_backend
 from .chunk import compose_chunks, run_chunks, summary_terms
 from .chunk import output_terms as chunk_output_terms
 from .cost import CostParams, choose_protocol
-from .lean import LeanTerms, lean_output_terms, lean_outputs, lean_summary
 from .exchange import PendingExchange, StateExchange, build_state_exchange, default_width
+from .lean import LeanTerms, lean_output_terms, lean_outputs, lean_summary
 from .merge import choose_kernel
 from .packing import PackedBlock, place_block
 

@@ -1,39 +1,45 @@
-"""The lean chunk path: what backward keeps is the inputs and the per-chunk maps, not the
-chunks' pairwise gate tensors.
+"""The lean chunk path: backward keeps the inputs and one value and two key rows a token, not
+the chunks' pairwise gate tensors.
 
 The chunk path (:mod:`hyper_parallel.kda.chunk`) under plain autograd keeps, for every chunk,
 everything its backward touches: the in-chunk decay products ``A`` and ``P`` (``C×C``), their
 gate factors (``C×K``, or ``C×16×K`` pairwise ones for chunks with a wide gate range), the UT
-system and every product around it: about 2.8 MB a token for one real-size KDA layer. Here two
-autograd functions run the same math and keep only
+system and every product around it: about 2.4 MB a token for one real-size KDA layer. Here
+three autograd functions run the same math and keep only
 
 - the inputs ``q, k, v, g, β`` (the caller's tensors, no copies),
 - the UT solutions ``U [.., C, V]``, ``W [.., C, K]`` (one value and one key row a token),
 - the effective queries ``Q_eff [.., C, K]`` (one key row a token) and the block's incoming
-  state ``h_in`` (the states entering the chunks are rerun from it);
+  state ``h_in``.
 
-and backward recomputes each chunk's intra-chunk terms, a bounded batch of chunks at a time
-(``chunk._chunk_steps``), then backpropagates through that batch alone; the per-chunk maps
-``S_c [.., K, V]``, ``M_c [.., K, K]`` (``K(K+V)/C`` numbers a token: more than ``U`` and
-``W``) are rebuilt from ``k, g, U, W`` where backward needs their values. Each chunk's terms are
-computed twice in backward's place of once (the price of the memory), the state chain over the
-chunks is run backward by hand:
+Nothing of the size of the per-chunk maps ``S_c [.., K, V]``, ``M_c [.., K, K]`` (``K(K+V)/C``
+numbers a token, more than ``U`` and ``W`` together) is kept or built for every head at once:
+they are rebuilt from ``k, g, U, W`` (:func:`_chunk_maps`, one matmul a chunk) a few heads at a
+time (:func:`_head_slices`), where a state chain needs them. Backward recomputes each chunk's
+intra-chunk terms a small block of heads and chunks at a time (:func:`_blocks`) and
+backpropagates through that block alone, so its transient stays a few MiB; the chains over
+the chunks run backward by hand:
 
-========================================  =================================================
-math                                      here
-========================================  =================================================
-``S_c, M_c, U, W`` of each chunk           :class:`_Summary` (forward: ``chunk._summary_chunk_terms``)
-``(S, M) = compose(S_c, M_c)``             :class:`_Summary` (backward: autograd of the compose)
-``Q_eff``, ``O_c = P U`` of each chunk     :class:`_OutputTerms` (``chunk._output_chunk_terms``)
-``h_{i+1} = M_c[i] h_i + S_c[i]``          :class:`_Scan`
-``o_i = Q_eff,i h_i + O_c,i``              :class:`_Scan`
-``λ_i = M_c[i]ᵀ λ_{i+1} + Q_eff,iᵀ do_i``   :meth:`_Scan.backward` (``dS_c[i] = λ_{i+1}``,
-                                          ``dM_c[i] = λ_{i+1} h_iᵀ``, ``dh_in = λ_0``)
-========================================  =================================================
+==========================================  ===============================================
+math                                        here
+==========================================  ===============================================
+``U, W`` (UT solve) of each chunk            :class:`_Summary` (``chunk._summary_chunk_terms``)
+``S_c = K̃ᵀU``, ``M_c = diag(e^{Γ_C}) − K̃ᵀW``   :func:`_chunk_maps`
+``(S, M)``: ``X_{i+1} = M_c[i] X_i + S_c[i]``,  :class:`_Summary`; backward:
+``Y_{i+1} = M_c[i] Y_i`` from ``(0, I)``        ``dS_c[i] = λ_{i+1}``,
+                                             ``dM_c[i] = λ_{i+1} X_iᵀ + Λ_{i+1} Y_iᵀ``,
+                                             ``(λ_i, Λ_i) = M_c[i]ᵀ (λ_{i+1}, Λ_{i+1})``
+``Q_eff``, ``O_c = P U`` of each chunk       :class:`_OutputTerms` (``chunk._output_chunk_terms``)
+``o_i = Q_eff,i h_i + O_c,i``,                :class:`_Scan`; backward: ``dS_c[i] = λ_{i+1}``,
+``h_{i+1} = M_c[i] h_i + S_c[i]``              ``dM_c[i] = λ_{i+1} h_iᵀ``, ``λ_i = M_c[i]ᵀ
+                                             λ_{i+1} + Q_eff,iᵀ do_i``, ``dh_in = λ_0``
+==========================================  ===============================================
 
-:func:`lean_summary`, :func:`lean_output_terms` and :func:`lean_outputs` mirror the chunk path's
-``summary_terms`` + ``compose_chunks``, ``output_terms`` and ``run_chunks``; tests compare
-the two paths (and both with the token-by-token reference).
+Each chunk's intra-chunk terms are computed twice where plain autograd computes them once
+(the price of the memory); the step is still faster on a CPU than the chunk path, which
+spends its time allocating what it keeps. :func:`lean_summary`, :func:`lean_output_terms`
+and :func:`lean_outputs` mirror the chunk path's ``summary_terms`` + ``compose_chunks``,
+``output_terms`` and ``run_chunks``; tests compare the two paths (float64, every gradient).
 """
 
 from __future__ import annotations
@@ -44,11 +50,8 @@ from typing import Any
 import torch
 
 from .chunk import (
-    _cat,
-    _chunk_steps,
-    _chunked,
+    _SUB,
     _ChunkContext,
-    _compose_all,
     _exp,
     _layout,
     _output_chunk_terms,
@@ -58,125 +61,105 @@ from .chunk import (
 
 __all__ = ["LeanTerms", "lean_output_terms", "lean_outputs", "lean_summary"]
 
+# Elements of the largest pairwise gate tensor one block of (heads, chunks) builds at once
+# (8 MiB in fp32), and of the per-chunk maps a head slice rebuilds at once (4 MiB): the
+# transients of backward stay small beside what is kept.
+_BLOCK_BUDGET = 1 << 21
+_MAPS_BUDGET = 1 << 20
+
+_Block = tuple[slice, slice]
+
+
+def _chunks(x: torch.Tensor, n: int, C: int) -> torch.Tensor:
+    """``[B, T, H, ...] -> [B, H, n, C, ...]``: a view when ``T = n·C``, else zero-padded."""
+    T = x.shape[1]
+    if n * C != T:
+        x = torch.cat([x, x.new_zeros(x.shape[0], n * C - T, *x.shape[2:])], dim=1)
+    return x.unflatten(1, (n, C)).movedim(3, 1)
+
+
+def _unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``[B, H, n, C, ...] -> [B, T, H, ...]`` (the padding dropped)."""
+    return x.flatten(2, 3)[:, :, :T].movedim(1, 2)
+
 
 def _chunk_resets(resets: torch.Tensor | None, shape: torch.Size, n: int, C: int) -> Any:
     """``resets [B, T]`` (0/1) as ``[B, H, n, C]`` for inputs of ``shape [B, T, H, ...]``."""
     if resets is None:
         return None
-    return _chunked(resets.unsqueeze(-1).expand(*shape[:3]), n, C)
+    return _chunks(resets.unsqueeze(-1).expand(*shape[:3]), n, C)
+
+
+def _blocks(kc: torch.Tensor) -> list[_Block]:
+    """``(heads, chunks)`` slices of chunked ``[B, H, n, C, K]`` inputs, each small enough
+    for :data:`_BLOCK_BUDGET`: whole chunks of a few heads, or a few chunks of every head;
+    chunks in order within each head slice."""
+    B, H, n, C, K = kc.shape
+    per = B * C * min(C, 2 * _SUB) * K  # one head, one chunk
+    units = max(1, _BLOCK_BUDGET // max(per, 1))
+    heads = min(H, units)
+    chunks = max(1, units // H) if heads == H else 1
+    return [
+        (slice(h, h + heads), slice(c, c + chunks))
+        for h in range(0, H, heads)
+        for c in range(0, n, chunks)
+    ]
+
+
+def _head_slices(B: int, H: int, n: int, K: int, V: int) -> list[slice]:
+    """Head slices whose per-chunk maps (``n`` chunks of ``K×(K+V)``) fit :data:`_MAPS_BUDGET`
+    (at least one head)."""
+    heads = max(1, min(H, _MAPS_BUDGET // max(B * n * K * (K + V), 1)))
+    return [slice(h, h + heads) for h in range(0, H, heads)]
+
+
+def _at(x: Any, blk: _Block) -> Any:
+    """Block ``blk`` of a ``[B, H, n, ...]`` tensor (None stays None)."""
+    return None if x is None else x[:, blk[0], blk[1]]
+
+
+def _heads(x: Any, hs: slice) -> Any:
+    return None if x is None else x[:, hs]
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().requires_grad_()
 
 
-def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> Any:
-    if part is None:
-        return total
-    return part if total is None else total + part
-
-
-class _Summary(torch.autograd.Function):
-    """``(k, v, g, β) -> (S, M, S_c, M_c, U, W)`` keeping only its inputs and ``S_c, M_c``."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        resets: torch.Tensor | None,
-        chunk_size: int,
-    ) -> tuple[torch.Tensor, ...]:
-        n, C = _layout(k.shape[1], chunk_size)
-        dt = k.dtype
-        rc = _chunk_resets(resets, k.shape, n, C)
-        kc, vc, gc, bc = (_chunked(x, n, C) for x in (k, v, g, beta))
-        parts: list[list[torch.Tensor]] = [[], [], [], []]
-        for sl in _chunk_steps(kc):
-            S_c, M_c, terms = _summary_chunk_terms(
-                kc[:, :, sl], vc[:, :, sl], gc[:, :, sl], bc[:, :, sl],
-                None if rc is None else rc[:, :, sl],
-            )  # fmt: skip
-            for acc, x in zip(parts, (S_c, M_c, terms.U, terms.W)):
-                acc.append(x)
-        S_c, M_c, U, W = (_cat(p) for p in parts)
-        S, M = _compose_all(S_c, M_c)
-        ctx.save_for_backward(k, v, g, beta, resets, U, W)
-        ctx.layout = (n, C, dt)
-        return S, M, S_c, M_c, U, W
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        dS, dM, dS_c, dM_c, dU, dW = grads
-        k, v, g, beta, resets, U, W = ctx.saved_tensors
-        n, C, _ = ctx.layout
-        # the compose's share of dS_c, dM_c: autograd over the (small) chunk maps alone
-        if dS is not None or dM is not None:
-            S_c, M_c = _chunk_maps(k, g, U, W, resets)
-            with torch.enable_grad():
-                leaves = (_leaf(S_c), _leaf(M_c))
-                S, M = _compose_all(*leaves)
-                outs = [(x, d) for x, d in zip((S, M), (dS, dM)) if d is not None]
-                dSc, dMc = torch.autograd.grad(
-                    [x for x, _ in outs], leaves, [d for _, d in outs], allow_unused=True
-                )
-            dS_c, dM_c = _add(dS_c, dSc), _add(dM_c, dMc)
-        rc = _chunk_resets(resets, k.shape, n, C)
-        kc, vc, gc, bc = (_chunked(x, n, C) for x in (k, v, g, beta))
-        grads_c: list[list[torch.Tensor]] = [[], [], [], []]
-        for sl in _chunk_steps(kc):
-            with torch.enable_grad():
-                leaves = tuple(_leaf(x[:, :, sl]) for x in (kc, vc, gc, bc))
-                S_b, M_b, terms = _summary_chunk_terms(
-                    *leaves, None if rc is None else rc[:, :, sl]
-                )
-                pairs = [
-                    (x, d[:, :, sl])
-                    for x, d in zip((S_b, M_b, terms.U, terms.W), (dS_c, dM_c, dU, dW))
-                    if d is not None
-                ]
-                got = torch.autograd.grad(
-                    [x for x, _ in pairs], leaves, [d for _, d in pairs], allow_unused=True
-                )
-            for acc, x, leaf in zip(grads_c, got, leaves):
-                acc.append(torch.zeros_like(leaf) if x is None else x)
-        T = k.shape[1]
-        dk, dv, dg, dbeta = (_unchunk(_cat(p), T) for p in grads_c)
-        return dk, dv, dg, dbeta, None, None
-
-
-def _unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
-    """``[B, H, n, C, ...] -> [B, T, H, ...]`` (the padding dropped)."""
-    x = x.flatten(2, 3)[:, :, :T]
-    return x.movedim(1, 2)
-
-
 def _chunk_maps(
-    k: torch.Tensor,
-    g: torch.Tensor,
-    U: torch.Tensor,
-    W: torch.Tensor,
-    resets: torch.Tensor | None,
+    kc: torch.Tensor, gc: torch.Tensor, U: torch.Tensor, W: torch.Tensor, rc: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-chunk maps ``S_c = K̃ᵀ U``, ``M_c = diag(e^{Γ_C}) − K̃ᵀ W`` (values, no graph)
-    rebuilt from the keys, gates and UT solutions, so that backward need not keep them
-    (one ``K×(K+V)`` pair a chunk, more than ``U`` and ``W`` themselves)."""
-    n, C = U.shape[2], U.shape[3]
-    rc = _chunk_resets(resets, k.shape, n, C)
-    with torch.no_grad():
-        kc, gc = _chunked(k, n, C), _chunked(g, n, C)
-        G = torch.ones(C, C, dtype=gc.dtype, device=gc.device).tril() @ gc
-        G_last = G[..., -1:, :]
-        k_tail = _exp(G_last - G) * kc
-        decay_last = torch.diag_embed(_exp(G_last.squeeze(-2)))
-        if rc is not None:
-            seg = rc.cumsum(-1)
-            k_tail = k_tail * (seg == seg[..., -1:]).unsqueeze(-1)
-            decay_last = decay_last * (seg[..., -1:] == 0).unsqueeze(-1)
-        k_tail_t = k_tail.transpose(-1, -2)
-        return k_tail_t @ U, decay_last - k_tail_t @ W
+    """The per-chunk maps ``S_c = K̃ᵀ U [.., n, K, V]``, ``M_c = diag(e^{Γ_C}) − K̃ᵀ W [.., n,
+    K, K]`` of chunked keys, gates (``[.., n, C, K]``) and UT solutions, ``K̃ = e^{Γ_C − Γ} ⊙ k``
+    (with packed documents: ``K̃`` on the chunk's last segment only, ``diag(e^{Γ_C})`` only
+    without a reset). Differentiable; what ``chunk._summary_chunk_terms`` computes from the
+    same ``U, W``."""
+    C = kc.shape[-2]
+    G = torch.ones(C, C, dtype=gc.dtype, device=gc.device).tril() @ gc
+    G_last = G[..., -1:, :]
+    k_tail = _exp(G_last - G) * kc
+    decay_last = torch.diag_embed(_exp(G_last.squeeze(-2)))
+    if rc is not None:
+        seg = rc.cumsum(-1)
+        k_tail = k_tail * (seg == seg[..., -1:]).unsqueeze(-1)
+        decay_last = decay_last * (seg[..., -1:] == 0).unsqueeze(-1)
+    k_tail_t = k_tail.transpose(-1, -2)
+    return k_tail_t @ U, decay_last - k_tail_t @ W
+
+
+def _maps_backward(
+    parts: tuple[torch.Tensor, ...], rc: Any, dS_c: torch.Tensor, dM_c: torch.Tensor
+) -> tuple[Any, ...]:
+    """Gradients of ``(k, g, U, W)`` (chunked slices ``parts``) from those of their maps."""
+    with torch.enable_grad():
+        leaves = tuple(_leaf(x) for x in parts)
+        S_c, M_c = _chunk_maps(leaves[0], leaves[1], leaves[2], leaves[3], rc)
+        return torch.autograd.grad((S_c, M_c), leaves, (dS_c, dM_c), allow_unused=True)
+
+
+def _add_at(acc: torch.Tensor, where: Any, x: torch.Tensor | None) -> None:
+    if x is not None:
+        acc[where] += x
 
 
 def _output_context(
@@ -194,10 +177,103 @@ def _output_context(
     return _ChunkContext(G, _exp(G), kc, U, W, same, first, _wide(G), None)
 
 
+class _Summary(torch.autograd.Function):
+    """``(k, v, g, β) -> (S, M, U, W)``: the block's summary and UT solutions, keeping only
+    its inputs and ``U, W``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        resets: torch.Tensor | None,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, ...]:
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        n, C = _layout(T, chunk_size)
+        rc = _chunk_resets(resets, k.shape, n, C)
+        kc, vc, gc, bc = (_chunks(x, n, C) for x in (k, v, g, beta))
+        U = k.new_empty(B, H, n, C, V)
+        W = k.new_empty(B, H, n, C, K)
+        S = k.new_zeros(B, H, K, V)
+        M = torch.eye(K, dtype=k.dtype, device=k.device).expand(B, H, K, K).clone()
+        for blk in _blocks(kc):  # chunks in order within each head slice: fold as we go
+            S_b, M_b, terms = _summary_chunk_terms(*(_at(x, blk) for x in (kc, vc, gc, bc, rc)))
+            U[:, blk[0], blk[1]] = terms.U
+            W[:, blk[0], blk[1]] = terms.W
+            hs = blk[0]
+            for j in range(S_b.shape[2]):
+                S[:, hs] = M_b[:, :, j] @ S[:, hs] + S_b[:, :, j]
+                M[:, hs] = M_b[:, :, j] @ M[:, hs]
+        ctx.save_for_backward(k, v, g, beta, resets, U, W)
+        ctx.chunk = (n, C)
+        return S, M, U, W
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dS: Any, dM: Any, dU: Any, dW: Any
+    ) -> tuple[Any, ...]:
+        k, v, g, beta, resets, U, W = ctx.saved_tensors
+        n, C = ctx.chunk
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        rc = _chunk_resets(resets, k.shape, n, C)
+        kc, vc, gc, bc = (_chunks(x, n, C) for x in (k, v, g, beta))
+        grads = [torch.zeros_like(x) for x in (kc, vc, gc, bc)]  # chunked, written in place
+        for hs in _head_slices(B, H, n, K, V):
+            parts = (kc[:, hs], gc[:, hs], U[:, hs], W[:, hs])
+            rch = _heads(rc, hs)
+            with torch.no_grad():
+                S_c, M_c = _chunk_maps(*parts, rch)
+            # the states of the two chains entering each chunk, from (0, I)
+            X = S_c.new_zeros(S_c.shape[0], S_c.shape[1], K, V)
+            Y = torch.eye(K, dtype=X.dtype, device=X.device).expand(*X.shape[:2], K, K)
+            Xs, Ys = [], []
+            for i in range(n):
+                Xs.append(X)
+                Ys.append(Y)
+                X = M_c[:, :, i] @ X + S_c[:, :, i]
+                Y = M_c[:, :, i] @ Y
+            lam = torch.zeros_like(X) if dS is None else dS[:, hs]
+            Lam = torch.zeros_like(Y) if dM is None else dM[:, hs]
+            dS_c, dM_c = torch.empty_like(S_c), torch.empty_like(M_c)
+            for i in range(n - 1, -1, -1):
+                dS_c[:, :, i] = lam
+                dM_c[:, :, i] = lam @ Xs[i].transpose(-1, -2) + Lam @ Ys[i].transpose(-1, -2)
+                Mt = M_c[:, :, i].transpose(-1, -2)
+                lam, Lam = Mt @ lam, Mt @ Lam
+            del S_c, M_c, Xs, Ys
+            # the maps' share (through K̃, U, W) and the UT solve's, a block at a time
+            got = _maps_backward(parts, rch, dS_c, dM_c)
+            del dS_c, dM_c
+            dUh = got[2] if dU is None else got[2] + dU[:, hs]
+            dWh = got[3] if dW is None else got[3] + dW[:, hs]
+            _add_at(grads[0], (slice(None), hs), got[0])
+            _add_at(grads[2], (slice(None), hs), got[1])
+            sub = (kc[:, hs], vc[:, hs], gc[:, hs], bc[:, hs])
+            for blk in _blocks(sub[0]):
+                with torch.enable_grad():
+                    leaves = tuple(_leaf(_at(x, blk)) for x in sub)
+                    kb, vb, gb, bb = leaves
+                    _, _, terms = _summary_chunk_terms(kb, vb, gb, bb, _at(rch, blk))
+                    got_b = torch.autograd.grad(
+                        (terms.U, terms.W), leaves, (_at(dUh, blk), _at(dWh, blk)),
+                        allow_unused=True,
+                    )  # fmt: skip
+                lo = hs.start + blk[0].start  # the block's heads, in the whole tensor
+                where = (slice(None), slice(lo, lo + leaves[0].shape[1]), blk[1])
+                for acc, x in zip(grads, got_b):
+                    _add_at(acc, where, x)
+        dk, dv, dg, dbeta = (_unchunk(x, T) for x in grads)
+        return dk, dv, dg, dbeta, None, None
+
+
 class _OutputTerms(torch.autograd.Function):
     """``(q, k, g, U, W) -> (Q_eff, O_c) [B, H, n, C, K|V]``, the block's state-independent
-    output terms, keeping only its inputs: backward recomputes them a batch of chunks at a
-    time."""
+    output terms, keeping only its inputs: backward recomputes them a block at a time."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -212,117 +288,124 @@ class _OutputTerms(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, C = U.shape[2], U.shape[3]
         rc = _chunk_resets(resets, q.shape, n, C)
-        qc, kc, gc = (_chunked(x, n, C) for x in (q, k, g))
-        Q_parts, O_parts = [], []
-        for sl in _chunk_steps(kc):
-            terms = _output_context(
-                kc[:, :, sl], gc[:, :, sl], U[:, :, sl], W[:, :, sl],
-                None if rc is None else rc[:, :, sl],
-            )  # fmt: skip
-            Q_eff, O_c = _output_chunk_terms(terms, qc[:, :, sl], scale)
-            Q_parts.append(Q_eff)
-            O_parts.append(O_c)
+        qc, kc, gc = (_chunks(x, n, C) for x in (q, k, g))
+        Q_eff, O_c = torch.empty_like(W), torch.empty_like(U)
+        for blk in _blocks(kc):
+            terms = _output_context(*(_at(x, blk) for x in (kc, gc, U, W, rc)))
+            Q_b, O_b = _output_chunk_terms(terms, _at(qc, blk), scale)
+            Q_eff[:, blk[0], blk[1]] = Q_b
+            O_c[:, blk[0], blk[1]] = O_b
         ctx.save_for_backward(q, k, g, U, W, resets)
         ctx.scale = scale
-        return _cat(Q_parts), _cat(O_parts)
+        return Q_eff, O_c
 
     @staticmethod
-    def backward(ctx: Any, dQ: torch.Tensor | None, dO: torch.Tensor | None) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, dQ: Any, dO: Any) -> Any:  # type: ignore[override]
         q, k, g, U, W, resets = ctx.saved_tensors
         n, C = U.shape[2], U.shape[3]
         rc = _chunk_resets(resets, q.shape, n, C)
-        qc, kc, gc = (_chunked(x, n, C) for x in (q, k, g))
-        grads_c: list[list[torch.Tensor]] = [[], [], [], [], []]
-        for sl in _chunk_steps(kc):
+        qc, kc, gc = (_chunks(x, n, C) for x in (q, k, g))
+        grads = [torch.zeros_like(x) for x in (qc, kc, gc, U, W)]
+        for blk in _blocks(kc):
             with torch.enable_grad():
-                leaves = tuple(_leaf(x[:, :, sl]) for x in (qc, kc, gc, U, W))
-                terms = _output_context(
-                    leaves[1], leaves[2], leaves[3], leaves[4], None if rc is None else rc[:, :, sl]
-                )
+                leaves = tuple(_leaf(_at(x, blk)) for x in (qc, kc, gc, U, W))
+                terms = _output_context(leaves[1], leaves[2], leaves[3], leaves[4], _at(rc, blk))
                 outs = _output_chunk_terms(terms, leaves[0], ctx.scale)
-                pairs = [(x, d[:, :, sl]) for x, d in zip(outs, (dQ, dO)) if d is not None]
+                pairs = [(x, _at(d, blk)) for x, d in zip(outs, (dQ, dO)) if d is not None]
                 got = torch.autograd.grad(
                     [x for x, _ in pairs], leaves, [d for _, d in pairs], allow_unused=True
                 )
-            for acc, x, leaf in zip(grads_c, got, leaves):
-                acc.append(torch.zeros_like(leaf) if x is None else x)
+            for acc, x in zip(grads, got):
+                _add_at(acc, (slice(None), blk[0], blk[1]), x)
         T = q.shape[1]
-        dq, dk, dg = (_unchunk(_cat(p), T) for p in grads_c[:3])
-        return dq, dk, dg, _cat(grads_c[3]), _cat(grads_c[4]), None, None
+        dq, dk, dg = (_unchunk(x, T) for x in grads[:3])
+        return dq, dk, dg, grads[3], grads[4], None, None
 
 
 class _Scan(torch.autograd.Function):
     """The chunked recurrence from ``h_in``: ``o_i = Q_eff,i h_i + O_c,i``, ``h_{i+1} =
-    M_c[i] h_i + S_c[i]`` → ``(o [B, T, H, V], h_out)``; keeps ``Q_eff`` and ``h_in`` (and
-    the summary's own ``k, g, U, W``, to rebuild the maps: not the maps, not the ``n``
-    intermediate states; backward reruns the cheap chain)."""
+    M_c[i] h_i + S_c[i]`` → ``(o [B, T, H, V], h_out)``, the maps rebuilt from ``k, g, U, W``
+    a head slice at a time; keeps ``Q_eff`` and ``h_in`` (with the summary's ``k, g, U, W``)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         Q_eff: torch.Tensor,
         O_c: torch.Tensor,
-        S_c: torch.Tensor,
-        M_c: torch.Tensor,
         h_in: torch.Tensor,
-        T: int,
         k: torch.Tensor,
         g: torch.Tensor,
         U: torch.Tensor,
         W: torch.Tensor,
         resets: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        outs, h = [], h_in
-        for i in range(S_c.shape[2]):
-            outs.append(Q_eff[:, :, i] @ h + O_c[:, :, i])
-            h = M_c[:, :, i] @ h + S_c[:, :, i]
-        o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :T].transpose(1, 2)
+        B, T, H, K = k.shape
+        n, C, V = U.shape[2], U.shape[3], U.shape[4]
+        rc = _chunk_resets(resets, k.shape, n, C)
+        kc, gc = _chunks(k, n, C), _chunks(g, n, C)
+        o = torch.empty_like(O_c)
+        h_out = torch.empty_like(h_in)
+        for hs in _head_slices(B, H, n, K, V):
+            S_c, M_c = _chunk_maps(kc[:, hs], gc[:, hs], U[:, hs], W[:, hs], _heads(rc, hs))
+            h = h_in[:, hs]
+            for i in range(n):
+                o[:, hs, i] = Q_eff[:, hs, i] @ h + O_c[:, hs, i]
+                h = M_c[:, :, i] @ h + S_c[:, :, i]
+            h_out[:, hs] = h
         ctx.save_for_backward(Q_eff, h_in, k, g, U, W, resets)
-        ctx.T = T
-        return o, h
+        return _unchunk(o, T), h_out
 
     @staticmethod
-    def backward(ctx: Any, do: torch.Tensor | None, dh_out: torch.Tensor | None) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, do: Any, dh_out: Any) -> Any:  # type: ignore[override]
         Q_eff, h_in, k, g, U, W, resets = ctx.saved_tensors
-        S_c, M_c = _chunk_maps(k, g, U, W, resets)
-        n, C = Q_eff.shape[2], Q_eff.shape[3]
-        hs, h = [], h_in
-        for i in range(n):
-            hs.append(h)
-            h = M_c[:, :, i] @ h + S_c[:, :, i]
-        if do is None:
-            doc = Q_eff.new_zeros(*Q_eff.shape[:-1], S_c.shape[-1])
-        else:
-            doc = _chunked(do, n, C)  # [B, H, n, C, V]
-        lam = torch.zeros_like(h_in) if dh_out is None else dh_out
+        B, T, H, K = k.shape
+        n, C, V = U.shape[2], U.shape[3], U.shape[4]
+        rc = _chunk_resets(resets, k.shape, n, C)
+        kc, gc = _chunks(k, n, C), _chunks(g, n, C)
+        doc = Q_eff.new_zeros(*Q_eff.shape[:-1], V) if do is None else _chunks(do, n, C)
         dQ = torch.empty_like(Q_eff)
-        dS_c = torch.empty_like(S_c)
-        dM_c = torch.empty_like(M_c)
-        for i in range(n - 1, -1, -1):
-            h_t = hs[i].transpose(-1, -2)
-            dQ[:, :, i] = doc[:, :, i] @ h_t
-            dS_c[:, :, i] = lam
-            dM_c[:, :, i] = lam @ h_t
-            lam = M_c[:, :, i].transpose(-1, -2) @ lam + Q_eff[:, :, i].transpose(-1, -2) @ doc[
-                :, :, i
-            ]
-        return dQ, doc, dS_c, dM_c, lam, None, None, None, None, None, None
+        dh_in = torch.empty_like(h_in)
+        dk, dg = torch.zeros_like(kc), torch.zeros_like(gc)
+        dU, dW = torch.zeros_like(U), torch.zeros_like(W)
+        for hs in _head_slices(B, H, n, K, V):
+            parts = (kc[:, hs], gc[:, hs], U[:, hs], W[:, hs])
+            rch = _heads(rc, hs)
+            with torch.no_grad():
+                S_c, M_c = _chunk_maps(*parts, rch)
+            hs_states, h = [], h_in[:, hs]
+            for i in range(n):
+                hs_states.append(h)
+                h = M_c[:, :, i] @ h + S_c[:, :, i]
+            lam = torch.zeros_like(h) if dh_out is None else dh_out[:, hs]
+            dS_c, dM_c = torch.empty_like(S_c), torch.empty_like(M_c)
+            for i in range(n - 1, -1, -1):
+                h_t = hs_states[i].transpose(-1, -2)
+                do_i = doc[:, hs, i]
+                dQ[:, hs, i] = do_i @ h_t
+                dS_c[:, :, i] = lam
+                dM_c[:, :, i] = lam @ h_t
+                lam = (
+                    M_c[:, :, i].transpose(-1, -2) @ lam + Q_eff[:, hs, i].transpose(-1, -2) @ do_i
+                )
+            dh_in[:, hs] = lam
+            del S_c, M_c, hs_states
+            got = _maps_backward(parts, rch, dS_c, dM_c)
+            for acc, x in zip((dk, dg, dU, dW), got):
+                _add_at(acc, (slice(None), hs), x)
+        return dQ, doc, dh_in, _unchunk(dk, T), _unchunk(dg, T), dU, dW, None
 
 
 @dataclass
 class LeanTerms:
-    """A block's state-independent maps from :func:`lean_summary` (graph-connected):
-    ``S_c [B, H, n, K, V]``, ``M_c [B, H, n, K, K]``, the UT solutions ``U``, ``W``, the
-    inputs the outputs need again (``k``, ``g``, ``resets``) and the block length ``T``."""
+    """A block's UT solutions from :func:`lean_summary` (graph-connected) ``U [B, H, n, C,
+    V]``, ``W [B, H, n, C, K]``, and the inputs its outputs need again (``k``, ``g``,
+    ``resets``)."""
 
     k: torch.Tensor
     g: torch.Tensor
     resets: torch.Tensor | None
-    S_c: torch.Tensor
-    M_c: torch.Tensor
     U: torch.Tensor
     W: torch.Tensor
-    T: int
 
 
 def lean_summary(
@@ -333,12 +416,13 @@ def lean_summary(
     chunk_size: int,
     resets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, LeanTerms]:
-    """The block's summary ``(S [B, H, K, V], M [B, H, K, K])`` and its per-chunk terms, for
-    validated, non-empty inputs in one float dtype (the state's: fp32 or fp64), ``resets
-    [B, T]`` (0/1) or None. Differentiable; keeps its inputs and one ``(S_c, M_c)`` a chunk."""
+    """The block's summary ``(S [B, H, K, V], M [B, H, K, K])`` and its UT solutions, for
+    validated, non-empty inputs ``k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``
+    in one float dtype (the state's: fp32 or fp64), ``resets [B, T]`` (0/1) or None.
+    Differentiable; keeps its inputs and ``U, W``."""
     rs = None if resets is None else resets.to(k.dtype)
-    S, M, S_c, M_c, U, W = _Summary.apply(k, v, g, beta, rs, chunk_size)
-    return S, M, LeanTerms(k, g, rs, S_c, M_c, U, W, k.shape[1])
+    S, M, U, W = _Summary.apply(k, v, g, beta, rs, chunk_size)
+    return S, M, LeanTerms(k, g, rs, U, W)
 
 
 def lean_output_terms(
@@ -355,8 +439,6 @@ def lean_outputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs ``o [B, T, H, V]`` and the final state from the incoming state ``h_in [B, H,
     K, V]`` (state dtype) and ``local = lean_output_terms(...)``. Differentiable w.r.t. all;
-    keeps ``Q_eff`` and ``h_in`` beside the summary's maps."""
-    return _Scan.apply(
-        *local, terms.S_c, terms.M_c, h_in, terms.T, terms.k, terms.g, terms.U, terms.W,
-        terms.resets,
-    )  # fmt: skip
+    keeps ``Q_eff`` and ``h_in`` beside the summary's tensors."""
+    Q_eff, O_c = local
+    return _Scan.apply(Q_eff, O_c, h_in, terms.k, terms.g, terms.U, terms.W, terms.resets)

@@ -51,7 +51,13 @@ from .layer import (
 )
 from .merge import KERNELS
 from .packing import document_conv, place_block
-from .stock import LOCAL_KERNELS, StockKernel, resolve_local_kernel, run_stock_with_executor, stock_kernel
+from .stock import (
+    LOCAL_KERNELS,
+    StockKernel,
+    resolve_local_kernel,
+    run_stock_with_executor,
+    stock_kernel,
+)
 
 __all__ = [
     "SUPPORTED_KDA_CLASSES",
@@ -330,20 +336,21 @@ def parallelize_kda(
     the same order, and the module keeps it: a forward neither builds nor looks up an
     executor. ``kernel`` is its merge/scan fold kernel (``"auto"``, ``"torch"``,
     ``"triton"``, see :func:`choose_kernel`; ``backend=`` is accepted as a deprecated name).
-    ``local_kernel`` is each rank's local compute of the recurrence (:mod:`hyper_parallel.kda.stock`):
-    ``"stock"``, the chunk function the stock layer itself calls (``chunk_kimi_delta_attention``
-    of its modeling module: fla's fused ``chunk_kda`` where transformers bound it to fla, its
-    PyTorch reference elsewhere), called twice a block (the summary, then the outputs from the
-    incoming state) with gradients through its own backward; ``"torch"``, the project's lean
-    chunk path (:mod:`hyper_parallel.kda.lean`); ``"auto"`` (default), the stock kernel
-    exactly when it is fused (fla's), else the project's path. Returns ``module``.
+    ``local_kernel`` is each rank's local compute of the recurrence
+    (:mod:`hyper_parallel.kda.stock`): ``"stock"``, the chunk function the stock layer itself
+    calls (``chunk_kimi_delta_attention`` of its modeling module: fla's fused ``chunk_kda``
+    where transformers bound it to fla, its PyTorch reference elsewhere), called twice a
+    block (the summary, then the outputs from the incoming state) with gradients through its
+    own backward; ``"torch"``, the project's lean chunk path (:mod:`hyper_parallel.kda.lean`);
+    ``"auto"`` (default), the stock kernel exactly when it is fused (fla's), else the
+    project's path. Returns ``module``.
 
     Errors before any communication, leaving the module untouched: ``TypeError`` (a module
     other than :data:`SUPPORTED_KDA_CLASSES`, ``cp_mesh`` not a DeviceMesh,
     ``local_kernel="stock"`` for a layer whose module has no chunk function), ``RuntimeError``
     (already parallelized), ``ValueError`` (mesh not 1-D or not in chronological rank order,
-    unknown protocol, kernel or local_kernel, bad ``group_size``, unsupported activation, ``kernel="triton"``
-    with a head dim it does not support). At call time, on every
+    unknown protocol, kernel or local_kernel, bad ``group_size``, unsupported activation,
+    ``kernel="triton"`` with a head dim it does not support). At call time, on every
     rank: ``cache_params`` or ``attention_mask`` not None, ``seq_idx``, a bad ``cu_seqlens``
     (see below) or a malformed ``hidden_states`` raise ``ValueError``.
 

@@ -166,8 +166,7 @@ def stock_summary(
     cuts, fresh = _segments(packed, T)
     if len(cuts) > 2 or fresh:  # a document starts here: M = 0, S its last one's from zero
         lo = cuts[-2]
-        parts = (x[:, lo:] for x in (q, k, v, g, beta))
-        _, S = _call(kernel, *parts, None)
+        _, S = _call(kernel, q[:, lo:], k[:, lo:], v[:, lo:], g[:, lo:], beta[:, lo:], None)
         S = S.to(torch.float32)
         return S, S.new_zeros(B, H, K, K)
     wide = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)
@@ -203,8 +202,8 @@ def stock_outputs(
         return o, h[-1:].to(torch.float32)
     outs, h = [], h_in
     for i, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
-        parts = (x[:, lo:hi] for x in (q, k, v, g, beta))
-        o, h = _call(kernel, *parts, h_in if i == 0 else None)
+        qs, ks, vs, gs, bs = (x[:, lo:hi] for x in (q, k, v, g, beta))
+        o, h = _call(kernel, qs, ks, vs, gs, bs, h_in if i == 0 else None)
         outs.append(o)
     return torch.cat(outs, dim=1), h.to(torch.float32)
 
