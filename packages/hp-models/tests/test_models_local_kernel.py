@@ -38,8 +38,8 @@ def _run() -> dict[str, Any]:
         original = getattr(home, name)
         calls: list[int] = []
 
-        def counted(*args: Any, _fn: Any = original, **kwargs: Any) -> Any:
-            calls.append(args[2].shape[-1])  # the value width: V, or V + K for a summary
+        def counted(*args: Any, _fn: Any = original, _calls: Any = calls, **kwargs: Any) -> Any:
+            _calls.append(args[2].shape[-1])  # the value width: V, or V + K for a summary
             return _fn(*args, **kwargs)
 
         setattr(home, name, counted)

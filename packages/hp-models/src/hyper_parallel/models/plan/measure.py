@@ -70,18 +70,21 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # an output on an input's storage (a view, an in-place op: a parameter's ``t()`` in
+        # every linear) allocated nothing: one made before the block is not an activation
+        inputs = {p for p in map(_storage_ptr, tree_leaves((args, kwargs))) if p is not None}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta:
-                self._see(t)
+                self._see(t, inputs)
         return out
 
-    def _see(self, t: torch.Tensor) -> None:
+    def _see(self, t: torch.Tensor, inputs: set[int]) -> None:
         try:
             st = t.untyped_storage()
             nbytes, ptr = st.nbytes(), st.data_ptr()
         except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage
             return
-        if not nbytes or ptr in self.trace.live:
+        if not nbytes or ptr in self.trace.live or ptr in inputs:
             return
         self.next_id += 1
         self.trace.live[ptr] = (self.next_id, nbytes)
@@ -93,6 +96,15 @@ class _Tracker(TorchDispatchMode):
         if entry is not None and entry[0] == uid:
             del self.trace.live[ptr]
             self.trace.events.append((uid, -entry[1]))
+
+
+def _storage_ptr(t: Any) -> int | None:
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return None
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 @contextlib.contextmanager
