@@ -207,7 +207,35 @@ def _rank() -> dict[str, Any]:
         "layers": [_layer_case(mesh, r, c, "stock") for c in CASES],
         "functional": _functional(mesh, r),
         "auto": _auto_picks_fla(mesh, r),
+        "errors": _errors(mesh),
     }
+
+
+def _errors(mesh: Any) -> dict[str, str]:
+    """Bad ``local_kernel`` options, refused before any communication (the module untouched)."""
+    out: dict[str, str] = {}
+    layer = kda_layer()
+    for name, call in {
+        "unknown kda": lambda: parallelize_kda(layer, mesh, local_kernel="fla"),
+        "unknown gdn": lambda: parallelize_gated_deltanet(gdn_layer(), mesh, local_kernel=None),
+    }.items():
+        try:
+            call()
+            out[name] = "accepted"
+        except ValueError as exc:
+            out[name] = str(exc)
+    home = sys.modules[KIMI]
+    saved = getattr(home, KDA_KERNEL)
+    delattr(home, KDA_KERNEL)  # a modeling module without the chunk function
+    try:
+        parallelize_kda(layer, mesh, local_kernel="stock")
+        out["missing"] = "accepted"
+    except TypeError as exc:
+        out["missing"] = str(exc)
+    finally:
+        setattr(home, KDA_KERNEL, saved)
+    out["untouched"] = type(layer).__name__
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +284,17 @@ def test_auto_runs_the_stock_kernel_when_it_is_fla_s(ranks: list[Any]) -> None:
         varlen = [c["cu_seqlens"] for c in calls if c["cu_seqlens"] is not None]
         assert varlen == ([[0, *starts, hi - lo]] if starts else []), (r, calls)
         assert res["auto"]["plain_calls"] == 0
+
+
+def test_bad_local_kernel_is_refused_on_every_rank_before_any_communication(
+    ranks: list[Any],
+) -> None:
+    for res in ranks:
+        err = res["errors"]
+        assert "unknown local_kernel 'fla'" in err["unknown kda"], err
+        assert "unknown local_kernel None" in err["unknown gdn"], err
+        assert "no chunk function 'chunk_kimi_delta_attention'" in err["missing"], err
+        assert err["untouched"] == "KimiLinearDeltaAttention"
 
 
 def test_stock_kernel_is_found_and_classified() -> None:

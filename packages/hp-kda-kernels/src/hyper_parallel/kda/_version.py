@@ -1,1 +1,1 @@
-__version__ = "0.3.9.dev3"
+__version__ = "0.3.9.dev4"
