@@ -11,7 +11,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 @pytest.mark.parametrize(
-    ("index", "lines", "tol"), [(0, 2, 1e-4), (1, 3, 1e-4), (2, 2, 1e-4), (3, 2, 1e-4), (4, 2, 1e-4)]
+    ("index", "lines", "tol"),
+    [(0, 2, 1e-4), (1, 3, 1e-4), (2, 2, 1e-4), (3, 2, 1e-4), (4, 2, 1e-4)],
 )
 def test_readme_example_runs(index: int, lines: int, tol: float) -> None:
     out = run_markdown_example(README, index)

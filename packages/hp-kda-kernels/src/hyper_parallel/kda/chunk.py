@@ -12,8 +12,10 @@ UT transform). Then ``h_C = M_c h_0 + S_c`` with ``M_c = diag(e^{Γ_C}) − K̃�
 ``o = (scale·e^{Γ}⊙Q − P W) h_0 + P U`` with ``P_ts = scale·q_tᵀ diag(e^{Γ_t − Γ_s}) k_s`` (s ≤ t).
 Gate factors ``e^{Γ_t − Γ_s}`` are never formed as ``e^{Γ_t} · e^{−Γ_s}``: typical gates use
 one reference token per chunk (both factors within ``e^{±60}``, everything a matmul); chunks
-with a wider gate range use 16-token sub-chunks with exact pairwise factors inside and factors
-≤ 1 across, so strong decay cannot overflow. Sequences that are not a multiple of ``C`` are
+with a wider gate range use 16-token sub-chunks with factors ≤ 1 across them and, inside them,
+one reference token per sub-chunk where every sub-chunk's range is at most 60 (strongly
+decaying gates: still all matmuls), exact pairwise factors otherwise, so strong decay cannot
+overflow. Sequences that are not a multiple of ``C`` are
 padded with identity tokens (``k = v = g = β = 0``), which leave the state unchanged.
 
 Packed documents: a reset at token ``t`` (a document starts there) zeroes the state before the
@@ -50,20 +52,37 @@ def _chunked(x: torch.Tensor, n: int, C: int) -> torch.Tensor:
 
 _SUB = 16  # sub-chunk width: exact pairwise decays inside, factored matmuls across
 
-# Exponents are clamped to [-80, 80]: e^-80 ≈ 1.8e-35 is still a normal fp32 number, so no
-# decay factor is subnormal (subnormal arithmetic is several times slower on CPUs) and the
-# floored terms are far below the resolution of any sum they enter; the ceiling keeps the
-# masked-out (acausal) entries finite, so zeroing them leaves no inf·0 in values or gradients.
+# Exponents are clamped to at most 80, which keeps the masked-out (acausal) entries finite, so
+# zeroing them leaves no inf·0 in values or gradients; factors below e^-60 ≈ 8.8e-27 are
+# exactly 0: such terms are far below the resolution of any sum they enter, and a tiny factor
+# times a small key or value is a subnormal fp32 number, whose arithmetic is tens of times
+# slower on CPUs (a real-size KDA layer's matmuls ran 40x slower with factors down to e^-80).
 _EXP_LIMIT = 80.0
+_EXP_FLOOR = -60.0
+
+
+# A true decay ``e^{Γ_t − Γ_s}`` (not one factor of a product through a reference token) below
+# e^-36 ≈ 2.3e-16 is exactly 0 too: fp32 cannot see it beside the terms it is summed with, and
+# the product of two such factors stays a normal number (the UT solve's ``e^Γ ⊙ K`` columns
+# and the chunk maps multiply them).
+_DECAY_FLOOR = -36.0
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-_EXP_LIMIT, _EXP_LIMIT).exp()
+    """``e^x`` for ``x ≤ 80``, exactly 0 below ``e^-60`` (its gradient there too): one factor
+    of a product through a reference token (the other factor is up to ``e^60``)."""
+    return x.clamp(_EXP_FLOOR - 1.0, _EXP_LIMIT).exp() * (x >= _EXP_FLOOR)
+
+
+def _decay(x: torch.Tensor) -> torch.Tensor:
+    """``e^x`` of a true decay (``x = Γ_t − Γ_s``, ``t`` after ``s``), exactly 0 below
+    ``e^-36``."""
+    return x.clamp(_DECAY_FLOOR - 1.0, _EXP_LIMIT).exp() * (x >= _DECAY_FLOOR)
 
 
 def _masked_exp(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``e^x`` where ``keep``, exactly 0 elsewhere."""
-    return _exp(x) * keep
+    """The true decay ``e^x`` where ``keep``, exactly 0 elsewhere."""
+    return _decay(x) * keep
 
 
 _FACTOR_SPAN = 60.0  # largest in-chunk gate range |Γ_t − Γ_s| the one-reference form allows
@@ -79,7 +98,14 @@ _Factors = tuple[torch.Tensor | None, ...]
 
 
 def _decay_factors(G: torch.Tensor, k: torch.Tensor, wide: bool) -> _Factors:
-    """The gate factors :func:`_decay_products` builds ``A`` and ``P`` from (shared by both)."""
+    """The gate factors :func:`_decay_products` builds ``A`` and ``P`` from (shared by both).
+
+    Not ``wide``: ``(left, right)``, one reference token a chunk. ``wide``: ``(decayed_k, kb,
+    left, right, sub_left, sub_right)`` over 16-token sub-chunks: inside each, the factored form
+    through the sub-chunk's first token (``sub_left``, ``sub_right``; ``decayed_k`` None) when
+    every sub-chunk's gate range is at most ``_FACTOR_SPAN`` (typical strongly decaying gates:
+    everything a matmul), else the exact pairwise factors ``decayed_k [.., ns, t, s, K]``;
+    ``left``, ``right`` across sub-chunks (None for one sub-chunk)."""
     if not wide:
         G_ref = G[..., :1, :]
         right = (k * (G_ref - G).exp()).transpose(-1, -2)
@@ -89,16 +115,34 @@ def _decay_factors(G: torch.Tensor, k: torch.Tensor, wide: bool) -> _Factors:
     c = _SUB if C % _SUB == 0 else C
     ns = C // c
     Gb, kb = G.unflatten(-2, (ns, c)), k.unflatten(-2, (ns, c))
-    causal = torch.ones(c, c, dtype=torch.bool, device=G.device).tril()
-    decay = _masked_exp(Gb.unsqueeze(-2) - Gb.unsqueeze(-3), causal[..., None])  # [.., ns, t, s, K]
-    decayed_k = decay * kb.unsqueeze(-3)  # [.., ns, t, s, K]: e^{Γ_t − Γ_s} ⊙ k_s
+    sub_span = float((Gb.amax(-2) - Gb.amin(-2)).max().detach()) if Gb.numel() else 0.0
+    decayed_k = sub_left = sub_right = None
+    if sub_span <= _FACTOR_SPAN:
+        G_sub = Gb[..., :1, :]
+        sub_left = _exp(Gb - G_sub)  # [.., ns, t, K], factors <= 1 for decaying gates
+        sub_right = kb * _exp(G_sub - Gb)  # [.., ns, s, K], within e^60
+    else:
+        causal = torch.ones(c, c, dtype=torch.bool, device=G.device).tril()
+        decay = _masked_exp(Gb.unsqueeze(-2) - Gb.unsqueeze(-3), causal[..., None])
+        decayed_k = decay * kb.unsqueeze(-3)  # [.., ns, t, s, K]: e^{Γ_t − Γ_s} ⊙ k_s
     if ns == 1:
-        return decayed_k, kb, None, None
+        return decayed_k, kb, None, None, sub_left, sub_right
     G_end = Gb[..., -1, :]  # [.., ns, K]
-    right = (kb * _exp(G_end.unsqueeze(-2) - Gb)).transpose(-1, -2)  # [.., ns, K, c]
+    right = (kb * _decay(G_end.unsqueeze(-2) - Gb)).transpose(-1, -2)  # [.., ns, K, c]
     later = torch.arange(C, device=G.device)[:, None] // c > torch.arange(ns, device=G.device)
     left = _masked_exp(G.unsqueeze(-2) - G_end.unsqueeze(-3), later[..., None])  # [.., t, j, K]
-    return decayed_k, kb, left, right
+    return decayed_k, kb, left, right, sub_left, sub_right
+
+
+def _in_sub_chunks(factors: _Factors, x: torch.Tensor, ns: int, c: int) -> torch.Tensor:
+    """``[.., ns, t, s]``: ``x_tᵀ diag(e^{Γ_t − Γ_s}) k_s`` inside each sub-chunk (causal
+    ``s ≤ t``; the caller drops the diagonal where it must) for chunked ``x [.., C, K]``."""
+    decayed_k, _, _, _, sub_left, sub_right = factors
+    xb = x.unflatten(-2, (ns, c))
+    if decayed_k is not None:
+        return (decayed_k @ xb.unsqueeze(-1)).squeeze(-1)
+    assert sub_left is not None and sub_right is not None
+    return ((xb * sub_left) @ sub_right.transpose(-1, -2)).tril()
 
 
 def _decay_products(
@@ -116,12 +160,13 @@ def _decay_products(
 
     When every chunk's gate range is at most ``_FACTOR_SPAN`` (typical KDA gates), both are
     plain matmuls through the chunk's first token: ``e^{Γ_t − Γ_s} = e^{Γ_t − Γ_1} · e^{Γ_1 − Γ_s}``
-    with both factors within ``e^{±60}``. Otherwise (``wide``) the sub-chunked form keeps
-    every factor ≤ 1: inside a 16-token sub-chunk the gate differences are exponentiated
-    pairwise; across sub-chunks (``s`` in sub-chunk ``j``, ``t`` later)
-    ``e^{Γ_t − Γ_s} = e^{Γ_t − Γ_e} · e^{Γ_e − Γ_s}`` with ``e`` the last token of sub-chunk
-    ``j``; both exponents are ≤ 0 for decaying gates, so the product is a matmul that can only
-    underflow where the true value does.
+    with both factors within ``e^{±60}``. Otherwise (``wide``) the sub-chunked form: inside a
+    16-token sub-chunk, the same factored form through the sub-chunk's first token where
+    every sub-chunk's range is at most ``_FACTOR_SPAN``, else the gate differences
+    exponentiated pairwise (every factor ≤ 1); across sub-chunks (``s`` in sub-chunk ``j``,
+    ``t`` later) ``e^{Γ_t − Γ_s} = e^{Γ_t − Γ_e} · e^{Γ_e − Γ_s}`` with ``e`` the last token of
+    sub-chunk ``j``; both exponents are ≤ 0 for decaying gates, so the product is a matmul
+    that can only underflow where the true value does.
     """
     if wide is None:
         wide = _wide(G)
@@ -133,8 +178,8 @@ def _decay_products(
         A = ((k * left) @ right).tril(-1) if want_a else None
         P = ((q * left) @ right).tril() if q is not None else None
         return A, P
-    decayed_k, kb, left, right = factors
-    assert decayed_k is not None and kb is not None
+    _, kb, left, right, _, _ = factors
+    assert kb is not None
     C = G.shape[-2]
     c = _SUB if C % _SUB == 0 else C
     ns = C // c
@@ -149,13 +194,13 @@ def _decay_products(
 
     A = P = None
     if want_a:
-        A_diag = (decayed_k @ kb.unsqueeze(-1)).squeeze(-1).tril(-1)
+        A_diag = _in_sub_chunks(factors, k, ns, c).tril(-1)
         A_off = None
         if left is not None and right is not None:
             A_off = (left * k.unsqueeze(-2)).movedim(-2, -3) @ right
         A = assemble(A_diag, A_off)
     if q is not None:
-        P_diag = (decayed_k @ q.unflatten(-2, (ns, c)).unsqueeze(-1)).squeeze(-1)
+        P_diag = _in_sub_chunks(factors, q, ns, c)
         P_off = None
         if left is not None and right is not None:
             P_off = (left * q.unsqueeze(-2)).movedim(-2, -3) @ right
@@ -195,10 +240,10 @@ def _summary_chunk_terms(
     factors = _decay_factors(G, k, wide)
     A, _ = _decay_products(G, k, None, wide, factors=factors)
     assert A is not None
-    G_exp = _exp(G)
+    G_exp = _decay(G)
     G_last = G[..., -1:, :]
-    k_tail = _exp(G_last - G) * k
-    decay_last = torch.diag_embed(_exp(G_last.squeeze(-2)))
+    k_tail = _decay(G_last - G) * k
+    decay_last = torch.diag_embed(_decay(G_last.squeeze(-2)))
     k_start = G_exp * k  # the h_0 terms
     same = first = None
     if resets is not None:
