@@ -60,3 +60,15 @@ def bounds(T: int, P: int) -> list[int]:
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def compare_blocks(results: list, ref: tuple, tag: object, tol: float = 1e-5) -> None:
+    """Ranks' ``(out block, input-gradient block, parameter gradients)`` against the serial
+    ``ref = (out, input gradient, parameter gradients)``: the blocks concatenated along the
+    sequence, the parameter gradients summed over the ranks; every parameter takes part."""
+    out, x_grad, grads = ref
+    assert max_rel_err(torch.cat([res[0] for res in results], dim=1), out) < tol, tag
+    assert max_rel_err(torch.cat([res[1] for res in results], dim=1), x_grad) < tol, tag
+    for name, want in grads.items():
+        assert want.abs().max() > 0, (tag, name)
+        assert max_rel_err(sum(res[2][name] for res in results), want) < tol, (tag, name)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _kda_hf import QWEN3_NEXT, gdn_layer, kda_layer, kimi
-from _kda_testutil import max_rel_err
+from _kda_testutil import compare_blocks, max_rel_err
 
 from hyper_parallel.dtensor import init_device_mesh
 from hyper_parallel.dtensor.testing import run_distributed
@@ -97,13 +97,7 @@ def _reference(case: tuple[Any, ...]) -> tuple[Any, ...]:
     return out.detach(), x.grad, _grads(layer)
 
 
-def _compare(results: list[Any], ref: tuple[Any, ...], tag: Any, tol: float = 1e-5) -> None:
-    out, x_grad, grads = ref
-    assert max_rel_err(torch.cat([res[0] for res in results], dim=1), out) < tol, tag
-    assert max_rel_err(torch.cat([res[1] for res in results], dim=1), x_grad) < tol, tag
-    for name, want in grads.items():
-        assert want.abs().max() > 0, (tag, name)  # every parameter takes part
-        assert max_rel_err(sum(res[2][name] for res in results), want) < tol, (tag, name)
+_compare = compare_blocks
 
 
 def _functional_inputs(T: int) -> tuple[torch.Tensor, ...]:
