@@ -1,1 +1,1 @@
-__version__ = "0.3.1.dev33"
+__version__ = "0.3.1.dev34"

@@ -22,7 +22,7 @@ from hyper_parallel.models.plan.activations import (
     KDA_KERNELS,
     activation_bytes,
 )
-from hyper_parallel.models.plan.placement import OPTIMIZERS, place_on_fake_world
+from hyper_parallel.models.plan.placement import OPTIMIZERS, kinds_in_order, place_on_fake_world
 from hyper_parallel.models.plan.traffic import layer_collectives, merged
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "KDA_KERNELS", "OPTIMIZERS", "MemoryPlan", "plan_memory"]
@@ -148,10 +148,13 @@ def plan_memory(
     (``"adamw"``: two states shaped like each local parameter and a float32 step; ``"sgd"``:
     none), with or without Hugging Face's activation checkpointing.
 
-    ``attn_implementation``: the MLA attention kernel (``"flash"``/``"sdpa"``: a fused kernel
+    ``attn_implementation``: the attention kernel (``"flash"``/``"sdpa"``: a fused kernel
     keeps no ``T×T`` scores; ``"eager"``/``"sdpa-math"``: it keeps the softmax
-    probabilities); ``kda_kernel``: the KDA chunk kernel (``"torch"``: hp-kda-kernels' chunk
-    path, ``"fused"``: one that keeps its inputs and a state per chunk); ``kda_protocol`` and
+    probabilities; CPU sdpa runs the math for MLA, whose q/k and v head dims differ);
+    ``kda_kernel``: the KDA / Gated DeltaNet chunk kernel (``"torch"``: hp-kda-kernels' lean
+    path, what ``parallelize_model`` runs where no fused kernel is installed, its bytes
+    measured at the real head sizes on first use; ``"fused"``: one that keeps its inputs and a
+    state per chunk, as flash-linear-attention's does); ``kda_protocol`` and
     ``device_type`` (``"cpu"``/``"cuda"``/``"npu"``): the KDA state exchange, ``"auto"`` as
     the layer's own cost model picks it for that device.
 
@@ -182,6 +185,7 @@ def plan_memory(
         attn_implementation=attn_implementation,
         kda_kernel=kda_kernel,
         checkpointing=activation_checkpointing,
+        order=kinds_in_order(config, dtype),
     )
     layers = layer_collectives(
         shapes,

@@ -69,6 +69,21 @@ def layer_kinds(base: nn.Module) -> list[tuple[int, int]]:
     """``(index of the first layer, how many layers)`` for every kind of decoder layer: the
     kind is the classes of its blocks (and their parameter shapes), so two layers of a kind
     are placed alike."""
+    first = _kind_layers(base)
+    return [(idx[0], len(idx)) for idx in first.values()]
+
+
+def layer_order(base: nn.Module) -> list[int]:
+    """Each decoder layer's kind, in model order (the kinds as :func:`layer_kinds` lists
+    them)."""
+    order = [0] * len(base.get_submodule("layers"))  # type: ignore[arg-type]
+    for kind, idx in enumerate(_kind_layers(base).values()):
+        for i in idx:
+            order[i] = kind
+    return order
+
+
+def _kind_layers(base: nn.Module) -> dict[Any, list[int]]:
     first: dict[Any, list[int]] = {}
     layers: Any = base.get_submodule("layers")
     for i, layer in enumerate(layers):
@@ -77,7 +92,7 @@ def layer_kinds(base: nn.Module) -> list[tuple[int, int]]:
             for m in layer.children()
         )
         first.setdefault(key, []).append(i)
-    return [(idx[0], len(idx)) for idx in first.values()]
+    return first
 
 
 @contextlib.contextmanager
@@ -182,7 +197,7 @@ def build_on_meta(config: Any, dtype: torch.dtype) -> nn.Module:
     return model.to(dtype)
 
 
-_TEMPLATES: dict[tuple[int, torch.dtype], tuple[Any, nn.Module, list, list]] = {}
+_TEMPLATES: dict[tuple[int, torch.dtype], tuple[Any, nn.Module, list, list, list[int]]] = {}
 _PLACED: dict[tuple[Any, ...], Placement] = {}
 
 
@@ -198,12 +213,20 @@ def _template(config: Any, dtype: torch.dtype) -> tuple[nn.Module, list, list]:
         base = model.get_submodule("model")
         layers: Any = base.get_submodule("layers")
         kinds = layer_kinds(base)
+        order = layer_order(base)
         shapes = [(layer_shape(layers[i], config), count) for i, count in kinds]
         base.layers = nn.ModuleList([layers[i] for i, _ in kinds])
         _TEMPLATES.clear()  # one model at a time: a real-size meta model is cheap, not free
         _PLACED.clear()
-        hit = _TEMPLATES[key] = (config, model, kinds, shapes)
+        hit = _TEMPLATES[key] = (config, model, kinds, shapes, order)
     return hit[1], hit[2], hit[3]
+
+
+def kinds_in_order(config: Any, dtype: torch.dtype) -> list[int]:
+    """Each decoder layer's kind (an index into the shapes :func:`place_on_fake_world`
+    returns), in model order."""
+    _template(config, dtype)
+    return list(_TEMPLATES[(id(config), dtype)][4])
 
 
 def place_on_fake_world(
