@@ -4,7 +4,7 @@ the chunks' pairwise gate tensors.
 The chunk path (:mod:`hyper_parallel.kda.chunk`) under plain autograd keeps, for every chunk,
 everything its backward touches: the in-chunk decay products ``A`` and ``P`` (``C×C``), their
 gate factors (``C×K``, or ``C×16×K`` pairwise ones for chunks with a wide gate range), the UT
-system and every product around it: 1.4 MB a token for one real-size KDA layer. Here
+system and every product around it: about 2.4 MB a token for one real-size KDA layer. Here
 three autograd functions run the same math and keep only
 
 - the inputs ``q, k, v, g, β`` (the caller's tensors, no copies),
