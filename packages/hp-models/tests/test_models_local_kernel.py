@@ -2,8 +2,8 @@
 Qwen3-Next's Gated DeltaNet) runs, on each rank, the chunk function the stock layer itself
 calls (here transformers' PyTorch reference, where fla would be on a device), and the model's
 loss and every gradient equal the serial model's (float64 weights; the kernel computes in
-float32), over cp = 2 with packed rows kept apart by tp = 1. An unknown ``local_kernel`` is
-refused on every rank before any communication."""
+float32), over cp = 2, and each rank's kernel calls see only its own block of the sequence.
+An unknown ``local_kernel`` is refused on every rank before any communication."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def _run() -> dict[str, Any]:
         calls: list[int] = []
 
         def counted(*args: Any, _fn: Any = original, _calls: Any = calls, **kwargs: Any) -> Any:
-            _calls.append(args[2].shape[-1])  # the value width: V, or V + K for a summary
+            # (tokens, value width: V, or V + K for a summary)
+            _calls.append((args[2].shape[1], args[2].shape[-1]))
             return _fn(*args, **kwargs)
 
         setattr(home, name, counted)
@@ -73,9 +74,11 @@ def test_stock_local_kernel_model_equals_serial_loss_and_every_gradient() -> Non
         ref_loss, ref_grads = _serial(kind)
         for r in results:
             got = r[kind]
-            widths = set(got["calls"])
-            # two calls a layer a rank: the widened summary (V + K) and the outputs (V)
+            widths = {w for _, w in got["calls"]}
+            # two calls a layer a rank: the widened summary (V + K) and the outputs (V), each
+            # over this rank's 8 of the 16 tokens, not the whole sequence
             assert len(widths) == 2 and len(got["calls"]) % 2 == 0, (kind, got["calls"])
+            assert {t for t, _ in got["calls"]} == {8}, (kind, got["calls"])
             assert got["loss"] == pytest.approx(ref_loss, rel=2e-6), kind
             assert set(got["grads"]) == set(ref_grads), kind
             for name, g in ref_grads.items():
