@@ -20,6 +20,7 @@ from hyper_parallel.models.grads import sync_gradients
 from hyper_parallel.models.loss import global_mean_loss
 from hyper_parallel.models.mesh import SequenceMesh, sequence_mesh
 from hyper_parallel.models.parallelize import parallelize_model
+from hyper_parallel.models.pipeline import PipelinedModel, pipeline_model
 from hyper_parallel.models.plan import MemoryPlan, plan_memory
 from hyper_parallel.models.pretrained import LoadReport, from_pretrained, load_report
 from hyper_parallel.models.state import ParallelPlan, is_model_parallelized
@@ -29,6 +30,7 @@ __all__ = [
     "LoadReport",
     "MemoryPlan",
     "ParallelPlan",
+    "PipelinedModel",
     "SequenceMesh",
     "__version__",
     "balance_experts",
@@ -39,6 +41,7 @@ __all__ = [
     "is_model_parallelized",
     "load_report",
     "parallelize_model",
+    "pipeline_model",
     "plan_memory",
     "sequence_mesh",
     "shard_batch",

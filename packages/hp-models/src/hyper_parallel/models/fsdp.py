@@ -75,6 +75,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hyper_parallel.dtensor import comm
+from hyper_parallel.models.absent import is_absent
 from hyper_parallel.models.mesh import SequenceMesh
 from hyper_parallel.models.roles import Role
 from hyper_parallel.models.state import OWNER
@@ -285,15 +286,21 @@ def apply_fsdp(
     sm: SequenceMesh,
     mp_policy: Any = None,
     edp: Any = None,
+    reshard_after_forward: bool | None = None,
 ) -> None:
     """Wrap the blocks of an already parallelised ``model`` (see the module docstring), each
-    with ``mp_policy`` (a ``MixedPrecisionPolicy``; None: FSDP2's default, no casting)."""
+    with ``mp_policy`` (a ``MixedPrecisionPolicy``; None: FSDP2's default, no casting).
+    ``reshard_after_forward``: FSDP2's option for every unit (None: its default); a pipeline
+    stage passes False, so that its parameters are gathered once a step, not once a
+    micro-batch. Layers another pipeline stage holds (no parameters) are not wrapped."""
     mode = fsdp_mode()
     if mode is None:
         raise RuntimeError("this torch's FSDP2 cannot be made to sum gradients")
     from torch.distributed.fsdp import fully_shard
 
-    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
+    kw: dict[str, Any] = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if reshard_after_forward is not None:
+        kw["reshard_after_forward"] = reshard_after_forward
     # (module, mesh it is sharded over, dp mesh its hook all-reduces over: torch 2.7's HSDP)
     wrapped: list[tuple[Any, Any, Any]] = []
     if edp is not None:  # experts split over ep (DTensors on ep): sharded over the edp ranks
@@ -310,6 +317,8 @@ def apply_fsdp(
                 mesh = sm.fsdp_mesh_for(role.scope)
                 wrapped.append((fully_shard(block, mesh=mesh, **kw), mesh, None))
     for layer in base.get_submodule("layers").children():
+        if is_absent(layer):
+            continue
         wrapped.append((fully_shard(layer, mesh=sm.fsdp_mesh, **kw), sm.fsdp_mesh, None))
     wrapped.append((fully_shard(model, mesh=sm.fsdp_mesh, **kw), sm.fsdp_mesh, None))
     make_sums(wrapped)

@@ -7,6 +7,11 @@ set to the number of non-ignored targets of the WHOLE batch, so its loss is its 
 loss on the full batch, identical on every rank; its backward sends gradient 1 to each rank's
 own share (not ``P``), so after :func:`~hyper_parallel.models.sync_gradients` sums the
 parameter gradients over ranks they equal the serial ones.
+
+A ``num_items_in_batch`` given by the caller is taken as ``N`` itself (no count is taken): the
+number of targets of a larger batch this call is one part of (gradient accumulation; each
+micro-batch of :func:`~hyper_parallel.models.pipeline_model` passes the count of the whole
+global batch), so that the parts' losses add up to the whole batch's mean.
 """
 
 from __future__ import annotations
@@ -209,7 +214,11 @@ def parallel_forward(model_class: type) -> Callable[..., Any]:
         # masks as the family's model takes them
         ctx = pass_documents(kwargs, plan.family, sm)
         targets = kwargs.get("shift_labels") if has_loss else None
-        if targets is not None and kwargs.get("labels") is not None:
+        if (
+            targets is not None
+            and kwargs.get("labels") is not None
+            and kwargs.get("num_items_in_batch") is None
+        ):
             count = (targets != IGNORE_INDEX).sum()  # int64: the loss keeps its dtype
             if sm.batch.size() > 1:  # carrying the table's fingerprint (documents.py)
                 count = count_tokens(count, ctx, sm, OWNER)

@@ -34,7 +34,7 @@ from hyper_parallel.models.mesh import check_mesh, cp_tp, sequence_mesh
 from hyper_parallel.models.roles import BlockOptions, Role
 from hyper_parallel.models.state import LAYER, ParallelPlan
 
-__all__ = ["ParallelPlan", "parallelize_model"]
+__all__ = ["ParallelPlan", "apply_parallel", "parallelize_model"]
 
 # the layers' own tables (each fact written once, in the layer that owns it)
 _MLA_STRATEGIES = STRATEGIES
@@ -205,6 +205,35 @@ def parallelize_model(
     ``ep``); the forward
     then compares its keyword arguments over the flattened mesh, for its layers too.
     """
+    return apply_parallel(
+        model,
+        mesh,
+        mla_strategy=mla_strategy,
+        overlap=overlap,
+        kda_protocol=kda_protocol,
+        grad_reduction=grad_reduction,
+        mp_policy=mp_policy,
+        ep=ep,
+        local_kernel=local_kernel,
+    )
+
+
+def apply_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mla_strategy: str = "latent",
+    overlap: bool = True,
+    kda_protocol: str = "auto",
+    grad_reduction: str = "auto",
+    mp_policy: Any = None,
+    ep: int = 1,
+    local_kernel: str = "auto",
+    reshard_after_forward: bool | None = None,
+) -> nn.Module:
+    """:func:`parallelize_model`'s body, without its consistency check over the default group
+    (a pipeline stage compares over the job itself: its stages hold different layers), and
+    with FSDP2's ``reshard_after_forward`` (None: FSDP2's default)."""
     fam, base, roles = _validate(
         model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction, ep, local_kernel
     )
@@ -224,7 +253,7 @@ def parallelize_model(
     # type from it
     install_forward(model, LAYER, plan, parallel_forward, prefix="", members=_members(type(model)))
     if grad_reduction == "fsdp":
-        apply_fsdp(model, base, roles, sm, mp_policy, moe.edp_mesh)
+        apply_fsdp(model, base, roles, sm, mp_policy, moe.edp_mesh, reshard_after_forward)
     return model
 
 

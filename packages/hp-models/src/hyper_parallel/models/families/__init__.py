@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hyper_parallel.models.absent import is_absent
 from hyper_parallel.models.hub import HubLayout
 from hyper_parallel.models.roles import Role
 
@@ -71,7 +72,10 @@ class ModelFamily:
     def layer_blocks(self, layer: nn.Module, i: int) -> list[tuple[str, nn.Module]]:
         """``[(path, block)]`` of decoder layer ``i``: its token mixer and its MLP (paths
         relative to the base model, e.g. ``layers.3.linear_attn``); ``TypeError`` for a layer
-        without them."""
+        without them; none for a layer another pipeline stage holds
+        (:class:`~hyper_parallel.models.absent.AbsentLayer`)."""
+        if is_absent(layer):
+            return []
         mixer = next((m for m in self.mixers if _has(layer, m)), None)
         if mixer is None or not _has(layer, "mlp"):
             raise TypeError(

@@ -1,0 +1,464 @@
+"""``pipeline_model``: a stock causal LM cut into pipeline stages over a ``"pp"`` mesh dim, each
+stage parallelised by ``parallelize_model`` over its ``(dp, cp, tp)`` ranks, run by
+torch.distributed.pipelining's schedules.
+
+Mesh: ``("pp", "cp", "tp")`` or ``("pp", "dp", "cp", "tp")``, pp first. The ranks of one pp
+coordinate are one ``(dp,) cp, tp`` mesh (``mesh[dims[1:]]``) holding the same stages; the
+ranks of one ``(dp, cp, tp)`` coordinate form the pp group the stages send activations over
+(torch's ``PipelineStage`` point-to-point). A mesh without ``"pp"`` is pp = 1: the
+micro-batches of one step run one after another (gradient accumulation in one call).
+
+A step (:meth:`PipelinedModel.step`) takes the global batch, identical on every rank, cuts it
+into ``m`` micro-batches of ``B/m`` rows (micro-batch ``k``: rows ``[k·B/m, (k+1)·B/m)``), and
+each micro-batch into this rank's block with ``shard_batch`` (the dp replica's rows, the
+sequence block; its document table rides along). The loss of micro-batch ``k`` on the last
+stage is its targets' summed cross-entropy over ``N``, the number of targets of the WHOLE
+global batch (counted on every rank from the labels it was given, no collective), so the
+micro-batches' losses add up to the global batch's mean, not a mean of micro-batch means; the
+schedule runs with ``scale_grads=False``. The loss is then summed over the pp group (the last
+stage's holder gives it to every rank).
+
+Gradients: FSDP2 per stage with ``reshard_after_forward=False`` (each stage's parameters are
+gathered once a step, not once a micro-batch; torch's stage keeps gradient sync off until the
+last micro-batch) or, with ``grad_reduction="allreduce"``,
+:func:`~hyper_parallel.models.sync_gradients` after the step. Every parameter lives in exactly
+one stage: no pipeline-dim reduction is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hyper_parallel.dtensor import DeviceMesh, checked_entry, comm
+from hyper_parallel.models.batch import IGNORE_INDEX, shard_batch
+from hyper_parallel.models.families import family_of
+from hyper_parallel.models.mesh import DP_MESH_DIMS, MESH_DIMS, check_mesh, cp_tp
+from hyper_parallel.models.parallelize import _roles, apply_parallel
+from hyper_parallel.models.pipeline.schedules import (
+    ScheduleSpec,
+    check_schedule,
+    schedule_class,
+    stages_of_rank,
+)
+from hyper_parallel.models.pipeline.split import (
+    balanced_split,
+    check_layer_split,
+    layer_costs,
+    stage_ranges,
+)
+from hyper_parallel.models.pipeline.stages import Feed, StageModule, stage_model
+from hyper_parallel.models.state import OWNER, plan_of
+
+__all__ = ["PipelinedModel", "pipeline_model", "split_mesh"]
+
+_PP_DIMS = (("pp", *MESH_DIMS), ("pp", *DP_MESH_DIMS))
+
+
+def split_mesh(mesh: Any) -> tuple[DeviceMesh | None, DeviceMesh]:
+    """``(pp mesh or None, the stage mesh)`` of a pipeline mesh: ``("pp", "cp", "tp")`` or
+    ``("pp", "dp", "cp", "tp")`` gives ``mesh["pp"]`` and ``mesh[dims[1:]]``; a mesh without
+    ``"pp"`` (``("cp", "tp")`` / ``("dp", "cp", "tp")``) is pp = 1. ``ValueError`` for a
+    ``"pp"`` that is not first or other dims; collective-free."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names:
+        return None, check_mesh(mesh)
+    if names not in _PP_DIMS:
+        raise ValueError(
+            f"a pipeline mesh has dims {_PP_DIMS[0]} or {_PP_DIMS[1]}, \"pp\" first (stages "
+            f"outermost); got dims {names}"
+        )
+    return mesh["pp"], mesh[names[1:]]
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    kind = mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind, None)
+    index = module.current_device() if module is not None else 0
+    return torch.device(kind, index)
+
+
+def _warm_groups(model: nn.Module, stage_mesh: DeviceMesh, kda_protocol: str) -> None:
+    """Create, on every rank, the process groups a stage's layers create while being
+    parallelised, so that stages holding different layer kinds create the same groups in the
+    same order (``new_group`` involves every process): the delta-rule layers' grouped state
+    exchange (``"grouped"`` / ``"auto"`` over 4 or more ranks)."""
+    fam, base = family_of(model)
+    delta = any(
+        fam.role_of(block).name in ("kda", "gdn")
+        for i, layer in enumerate(base.get_submodule("layers"))
+        for _, block in fam.layer_blocks(layer, i)
+    )
+    if not delta or kda_protocol not in ("auto", "grouped"):
+        return
+    from hyper_parallel.kda import build_state_exchange
+    from hyper_parallel.models.mesh import sequence_mesh
+
+    flat = sequence_mesh(stage_mesh).flat
+    if flat.size() >= 4:
+        build_state_exchange(flat, kda_protocol)
+
+
+class PipelinedModel:
+    """This rank's pipeline stages of a stock causal LM (see the module docstring), made by
+    :func:`pipeline_model`.
+
+    ``parts``: this rank's stages as parallelised stock ``*ForCausalLM`` modules holding only
+    their own layers (in stage order); ``stages``: their indices; ``layers``: the decoder
+    layers of every stage of the pipeline (``layers[s]`` the range of stage ``s``);
+    ``pp``/``microbatches``/``schedule`` as given."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        stages: list[int],
+        layers: list[range],
+        pp_mesh: DeviceMesh | None,
+        stage_mesh: DeviceMesh,
+        microbatches: int,
+        spec: ScheduleSpec,
+        pp_rank: int,
+    ) -> None:
+        self.parts = parts
+        self.stages = stages
+        self.layers = layers
+        self.pp_mesh = pp_mesh
+        self.stage_mesh = stage_mesh
+        self.microbatches = microbatches
+        self.schedule = spec.name
+        self._spec = spec
+        self._pp_rank = pp_rank
+        self._feed = Feed()
+        self._modules = [
+            StageModule(part, s, s == 0, s == len(layers) - 1, self._feed)
+            for part, s in zip(parts, stages)
+        ]
+        for mod in self._modules:  # torch's stage drives FSDP2 through the module it runs
+            plan = plan_of(mod.part, "pipeline_model")
+            if plan.grad_reduction == "fsdp":
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(mod, mesh=plan.mesh.fsdp_mesh, reshard_after_forward=False)
+        self._runner: Any = None
+        self._shape: tuple[Any, ...] | None = None
+        self.__hp_pipeline__ = True
+
+    # -- what the rank holds ------------------------------------------------------------------
+
+    @property
+    def pp(self) -> int:
+        return 1 if self.pp_mesh is None else self.pp_mesh.size()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[Any]:
+        """This rank's parameters under the stock model's names (``model.layers.7.mlp...``)."""
+        for part in self.parts:
+            yield from part.named_parameters(prefix=prefix, recurse=recurse)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's stages' state dicts merged (stock keys; every key held by one stage), for
+        ``torch.distributed.checkpoint``: saved from one pipeline, it loads into another of any
+        pp, split and mesh (each rank reads the keys of its stages)."""
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            out.update(part.state_dict())
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load this rank's keys of ``state_dict`` into its stages (``strict``: every key of
+        the stages present, no key left over)."""
+        used: set[str] = set()
+        for part in self.parts:
+            own = part.state_dict()
+            part.load_state_dict({k: state_dict[k] for k in own if k in state_dict}, strict=strict)
+            used |= set(own)
+        extra = sorted(set(state_dict) - used)
+        if strict and extra:
+            raise KeyError(f"keys of no stage of this rank: {extra[:5]}")
+
+    def train(self, mode: bool = True) -> PipelinedModel:
+        for part in self.parts:
+            part.train(mode)
+        return self
+
+    def eval(self) -> PipelinedModel:
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        spans = ", ".join(
+            f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(self.layers)
+        )
+        return (
+            f"PipelinedModel(pp={self.pp}, schedule={self.schedule!r}, "
+            f"microbatches={self.microbatches}, this rank's stages {self.stages}; {spans})"
+        )
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _micro_batches(
+        self, batch: dict[str, Tensor]
+    ) -> tuple[list[dict[str, Tensor]], int]:
+        """Every check of a step (collective-free, the same verdict on every rank), then this
+        rank's block of each micro-batch and the global target count."""
+        ids = batch.get("input_ids")
+        labels = batch.get("labels")
+        if not isinstance(ids, Tensor) or ids.dim() != 2:
+            raise ValueError("PipelinedModel.step needs input_ids as a [B, T] tensor")
+        if not isinstance(labels, Tensor) or tuple(labels.shape) != tuple(ids.shape):
+            raise ValueError(
+                "PipelinedModel.step trains: it needs labels [B, T] (unshifted, -100 where no "
+                "loss is taken), the same shape as input_ids"
+            )
+        bsz, seq = ids.shape
+        m = self.microbatches
+        names = tuple(self.stage_mesh.mesh_dim_names or ())
+        dp = self.stage_mesh.size(0) if names[0] == "dp" else 1
+        if bsz % (m * dp):
+            raise ValueError(
+                f"batch size B={bsz} does not divide into microbatches·dp = {m}·{dp} = {m * dp}"
+                ": each micro-batch takes B/microbatches rows and each dp replica B/(m·dp) of "
+                "them"
+            )
+        count = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        if count == 0:
+            raise ValueError("PipelinedModel.step: no label of the global batch is a target")
+        rows = bsz // m
+        micro: list[dict[str, Tensor]] = []
+        pos = batch.get("position_ids")
+        for k in range(m):
+            part = {}
+            for key, value in batch.items():
+                if key == "position_ids" and value is not None and value.shape[0] == 1:
+                    part[key] = value
+                elif isinstance(value, Tensor) and value.dim() == 2 and value.shape[0] == bsz:
+                    part[key] = value[k * rows : (k + 1) * rows]
+                else:
+                    part[key] = value
+            if pos is None:
+                part.pop("position_ids", None)
+            micro.append(shard_batch(part, self.stage_mesh))
+        return micro, count
+
+    def _build(self, first: Tensor, hidden_dtype: torch.dtype) -> Any:
+        """torch's stages and schedule for micro-batches whose first-stage input is ``first``
+        (one micro-batch's token ids ``[b, S]``)."""
+        from torch.distributed.pipelining import PipelineStage
+
+        b, s = first.shape
+        hidden = self.parts[0].config.hidden_size
+        device = _device(self.stage_mesh)
+        group = None if self.pp_mesh is None else self.pp_mesh.get_group()
+        stages = []
+        for mod in self._modules:
+            # examples of what the stage takes and gives (torch reads shape, dtype and whether
+            # a gradient flows back: the hidden states carry one, the token ids do not)
+            x = (
+                torch.empty(b, s, dtype=first.dtype, device=device)
+                if mod.first
+                else torch.empty(b, s, hidden, dtype=hidden_dtype, device=device).requires_grad_()
+            )
+            y = (
+                torch.empty(1, dtype=torch.float32, device=device).requires_grad_()
+                if mod.last
+                else torch.empty(b, s, hidden, dtype=hidden_dtype, device=device).requires_grad_()
+            )
+            stages.append(
+                PipelineStage(
+                    mod, mod.index, self.num_stages, device, input_args=(x,), output_args=(y,),
+                    group=group,
+                )
+            )
+        cls = schedule_class(self.schedule)
+
+        def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+            return output.sum()
+
+        if self._spec.multi:
+            return cls(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        return cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def step(
+        self,
+        *,
+        input_ids: Tensor,
+        labels: Tensor,
+        position_ids: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        """Forward and backward of the whole global batch under the schedule; returns its loss
+        (the mean over every target of the global batch, a 0-d float32 tensor, the same on every
+        rank). Call on every rank with the same global batch ``shard_batch`` takes
+        (``input_ids``, ``labels`` ``[B, T]``, ``position_ids``, packed-document tables).
+        Gradients accumulate into the parameters (``zero_grad`` between steps); then
+        :func:`~hyper_parallel.models.sync_gradients`,
+        :func:`~hyper_parallel.models.clip_grad_norm_` and the optimizer.
+
+        ``ValueError`` on every rank before any communication: no labels, no target in the
+        batch, ``B`` not a multiple of ``microbatches·dp``, and what ``shard_batch`` refuses."""
+        batch: dict[str, Any] = {"input_ids": input_ids, "labels": labels, **kwargs}
+        if position_ids is not None:
+            batch["position_ids"] = position_ids
+        micro, count = self._micro_batches(batch)
+        self._feed.micro = micro
+        self._feed.count = count
+        first = micro[0]["input_ids"]
+        dtype = _hidden_dtype(self.parts[0])
+        shape = (tuple(first.shape), first.dtype, dtype)
+        if self._runner is None or self._shape != shape:
+            self._runner = self._build(first, dtype)
+            self._shape = shape
+        m = self.microbatches
+        device = _device(self.stage_mesh)
+        mb = torch.arange(m, device=device)
+        args: tuple[Tensor, ...] = ()
+        call: dict[str, Any] = {"mb": mb}
+        holds_first = 0 in self.stages
+        holds_last = self.num_stages - 1 in self.stages
+        if holds_first:
+            args = (torch.cat([x["input_ids"] for x in micro]).to(device),)
+        if holds_last:
+            call["target"] = mb.clone()
+        losses: list[Tensor] = []
+        try:
+            self._runner.step(*args, losses=losses, **call)
+        finally:
+            self._feed.micro = []
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        if holds_last:
+            total = torch.stack([x.detach().float().reshape(()) for x in losses]).sum()
+        if self.pp_mesh is not None and self.pp_mesh.size() > 1:
+            g = comm.resolve_group(self.pp_mesh, "the pipeline loss")
+            total = comm.start_all_reduce(total, g, "all_reduce:pipeline_loss", "step", OWNER)
+            total = total.wait()
+        return total
+
+
+def _hidden_dtype(part: nn.Module) -> torch.dtype:
+    """The dtype of the hidden states between stages: FSDP2's ``param_dtype`` where a mixed
+    precision policy casts the parameters, else the embeddings' (the model's) dtype."""
+    policy = getattr(part, "_hp_mp_policy", None)
+    if policy is not None and getattr(policy, "param_dtype", None) is not None:
+        return policy.param_dtype
+    for p in part.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def _pipeline_fields(args: Any) -> dict[str, Any]:
+    fam, _ = family_of(args.model)
+    return {
+        "model": type(args.model).__name__,
+        "family": fam.name,
+        "roles": _roles(args.model),
+        "param_count": sum(1 for _ in args.model.parameters()),
+        "mesh": (tuple(args.mesh.mesh.shape), args.mesh.mesh_dim_names),
+        "options": sorted((k, repr(v)) for k, v in args.kwargs.items()),
+    }
+
+
+@checked_entry(
+    "pipeline_model",
+    compare=("microbatches", "schedule", "stages_per_rank", "layer_split"),
+    extra=_pipeline_fields,
+)
+def pipeline_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    microbatches: int,
+    schedule: str = "1F1B",
+    stages_per_rank: int = 1,
+    layer_split: Any = None,
+    **kwargs: Any,
+) -> PipelinedModel:
+    """Cut a stock ``KimiLinearForCausalLM`` / ``DeepseekV3ForCausalLM`` /
+    ``Qwen3NextForCausalLM`` into pipeline stages and parallelise each (see the module
+    docstring); return this rank's :class:`PipelinedModel`. ``model`` is taken apart: its
+    layers move into the stages (use the returned object, not ``model``, afterwards).
+
+    - ``mesh``: ``("pp", "cp", "tp")`` or ``("pp", "dp", "cp", "tp")``; without ``"pp"``,
+      pp = 1 (micro-batches only).
+    - ``microbatches``: micro-batches a step (``m``); ``schedule``: torch's schedule by name
+      (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"InterleavedZeroBubble"``,
+      ``"ZBVZeroBubble"``, ``"DualPipeV"``; see
+      :mod:`hyper_parallel.models.pipeline.schedules` for what each needs);
+      ``stages_per_rank``: stages a rank holds (``pp·stages_per_rank`` stages in all).
+    - ``layer_split``: decoder layers a stage, in stage order (each ``>= 1``, adding up to the
+      model's layers); default: split by each layer's cost
+      (:func:`~hyper_parallel.models.pipeline.split.balanced_split`). Layers keep their indices.
+    - every other keyword goes to :func:`~hyper_parallel.models.parallelize_model` for each
+      stage (``mla_strategy``, ``overlap``, ``kda_protocol``, ``local_kernel``,
+      ``grad_reduction``, ``mp_policy``, ``ep``; ``ep`` divides each stage's ``dp·cp·tp``).
+
+    Raised on every rank alike before any communication: ``TypeError`` for an unsupported or
+    base model or option type; ``ValueError`` for a mesh whose ``"pp"`` is not first, an
+    unknown schedule or one this torch lacks (naming the release that has it), fewer
+    micro-batches than the schedule needs, a ``layer_split`` that does not add up or leaves a
+    stage empty, fewer layers than stages, tied embeddings over pp > 1, and what
+    ``parallelize_model`` refuses. Consistency mode: the ranks first compare the model's
+    class, roles and parameter count, the mesh and every option.
+    """
+    fam, base = family_of(model)
+    if base is model:
+        raise TypeError(
+            f"pipeline_model needs the causal LM ({fam.causal_lm}): its last stage computes "
+            f"the loss; got the base model {type(model).__name__}"
+        )
+    pp_mesh, stage_mesh = split_mesh(mesh)
+    pp = 1 if pp_mesh is None else pp_mesh.size()
+    spec = check_schedule(schedule, pp, stages_per_rank, microbatches)
+    num_stages = pp * stages_per_rank
+    n_layers = len(base.get_submodule("layers"))
+    if layer_split is None:
+        costs, head = layer_costs(model)
+        sizes = balanced_split(costs, num_stages, last_extra=head)
+    else:
+        sizes = check_layer_split(layer_split, n_layers, num_stages)
+    if num_stages > 1 and model.get_submodule("lm_head").weight is getattr(
+        base.get_submodule("embed_tokens"), "weight", None
+    ):
+        raise ValueError(
+            "pipeline_model: the LM head is tied to the embeddings (tie_word_embeddings), but "
+            "the first stage holds the embeddings and the last the head; untie them"
+        )
+    cp, tp = cp_tp(stage_mesh)
+    ep = kwargs.get("ep", 1)
+    names = tuple(stage_mesh.mesh_dim_names or ())
+    if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1:
+        dp = stage_mesh.size(0) if names[0] == "dp" else 1
+        if (dp * cp * tp) % ep:
+            raise ValueError(
+                f"ep={ep} must divide each stage's dp·cp·tp = {dp * cp * tp} ranks"
+            )
+    ranges = stage_ranges(sizes)
+    owner = [s for s, r in enumerate(ranges) for _ in r]
+    pp_rank = 0 if pp_mesh is None else int(pp_mesh.get_local_rank())
+    mine = stages_of_rank(spec, pp_rank, pp, stages_per_rank)
+    parts = [
+        stage_model(model, base, ranges[s], owner, s == 0, s == num_stages - 1) for s in mine
+    ]
+    kda_protocol = kwargs.get("kda_protocol", "auto")
+    _warm_groups(model, stage_mesh, kda_protocol)
+    for part in parts:
+        apply_parallel(part, stage_mesh, reshard_after_forward=False, **kwargs)
+        part._hp_mp_policy = kwargs.get("mp_policy")
+    return PipelinedModel(parts, mine, ranges, pp_mesh, stage_mesh, microbatches, spec, pp_rank)
