@@ -18,6 +18,7 @@ the parameters' meshes and placements (the same on every rank), not on which gra
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from hyper_parallel.dtensor import comm
-from hyper_parallel.models.state import OWNER, plan_of
+from hyper_parallel.models.state import OWNER, pipeline_parts, plan_of
 
 __all__ = ["clip_grad_norm_"]
 
@@ -50,7 +51,7 @@ def _check_norm_type(norm_type: Any) -> float:
 
 
 def clip_grad_norm_(
-    model: nn.Module,
+    model: Any,
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
@@ -60,7 +61,9 @@ def clip_grad_norm_(
     would on the serial model, in place; return the total norm before clipping.
 
     Call on every rank, after :func:`~hyper_parallel.models.sync_gradients` (the gradients must
-    be the serial ones). The total ``‖(g_1, ..., g_n)‖_p`` counts every gradient element once
+    be the serial ones). A :class:`~hyper_parallel.models.PipelinedModel`: the norm over every
+    stage of the pipeline (each stage's total over its ranks, then summed over pp).
+    The total ``‖(g_1, ..., g_n)‖_p`` counts every gradient element once
     (see the module docstring); ``norm_type`` is a positive number or ``inf``. Every gradient is
     then multiplied by ``min(1, max_norm / (total + 1e-6))``, torch's rule.
 
@@ -72,8 +75,50 @@ def clip_grad_norm_(
     ``norm_type``; ``ValueError`` for a gradient left ``Partial`` (not reduced). With
     ``error_if_nonfinite``, ``RuntimeError`` on every rank when the total is nan or inf.
     """
-    plan_of(model, "clip_grad_norm_")
     p = _check_norm_type(norm_type)
+    inf = math.isinf(p)
+    parts = pipeline_parts(model)
+    if parts is None:
+        plan_of(model, "clip_grad_norm_")
+        total, grads = _local_total(model, p)
+    else:  # each stage's total over its ranks, then over the pipeline (each stage once)
+        for part in parts:
+            plan_of(part, "clip_grad_norm_")
+        terms = [_local_total(part, p) for part in parts]
+        grads = [g for _, gs in terms for g in gs]
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t, _ in terms])
+        total = torch.stack([t.to(dtype) for t, _ in terms])
+        total = total.max() if inf else total.sum()
+        pp_mesh = model.pp_mesh
+        if pp_mesh is not None and pp_mesh.size() > 1:
+            grp = comm.resolve_group(pp_mesh, "clip_grad_norm_")
+            if inf:
+                every = comm.start_all_gather(
+                    total.reshape(1), 0, grp, "all_gather:grad_norm_max", "step", OWNER
+                )
+                total = every.wait().max()
+            else:
+                total = comm.start_all_reduce(
+                    total, grp, "all_reduce:grad_norm", "step", OWNER
+                ).wait()
+    if not inf:
+        total = total.pow(1.0 / p)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+            "so it cannot be clipped. To disable this error and scale the gradients by the "
+            "non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def _local_total(model: nn.Module, p: float) -> tuple[Tensor, list[Tensor]]:
+    """``(Σ |g|^p over every gradient element of ``model``, counted once, or the largest
+    |g| for p = inf; the local gradient tensors)``, the same on every rank of the model's
+    mesh."""
     inf = math.isinf(p)
     params = [q for q in model.parameters() if q.requires_grad]
     # one accumulator per distinct mesh (in parameter order: the same on every rank), plus one
@@ -93,7 +138,7 @@ def clip_grad_norm_(
             if not any(q.device_mesh == m for m in meshes):
                 meshes.append(q.device_mesh)
     if not params:
-        return torch.zeros((), dtype=acc_dtype)
+        return torch.zeros((), dtype=acc_dtype), []
     device = (params[0].to_local() if isinstance(params[0], DTensor) else params[0]).device
     zero = torch.zeros((), dtype=acc_dtype, device=device)
     totals = [zero.clone() for _ in range(len(meshes) + 1)]  # last: plain tensors
@@ -149,16 +194,5 @@ def clip_grad_norm_(
                     name = "all_reduce:grad_norm"
                     comm.start_all_reduce(totals[slot], grp, name, "step", OWNER).wait()
     if inf:
-        total = torch.stack(totals).max()
-    else:
-        total = torch.stack(totals).sum().pow(1.0 / p)
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
-            "so it cannot be clipped. To disable this error and scale the gradients by the "
-            "non-finite norm anyway, set `error_if_nonfinite=False`"
-        )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return total
+        return torch.stack(totals).max(), grads
+    return torch.stack(totals).sum(), grads

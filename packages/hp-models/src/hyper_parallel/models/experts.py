@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from hyper_parallel.dtensor import DeviceMesh, comm, unflatten
 from hyper_parallel.dtensor.rewrite import install_forward, parallel_state
-from hyper_parallel.models.state import OWNER, plan_of
+from hyper_parallel.models.state import OWNER, pipeline_parts, plan_of
 from hyper_parallel.moe import moe_block_forward, parallelize_experts, shared_work
 
 __all__ = ["MoEState", "balance_experts", "check_ep", "expert_meshes", "install_moe"]
@@ -43,12 +43,15 @@ MOE_LAYER = "hp-models-moe"  # the rewrite's layer name of a MoE block with spli
 @dataclass
 class MoEState:
     """The experts of a parallelised model: ``ep``, the meshes (``None`` at ep = 1) and the
-    last forward's local per-expert counts of each MoE block (by module path)."""
+    last forward's local per-expert counts of each MoE block (by module path); with
+    ``accumulate`` (a pipeline's stages), the counts of every forward since they were last
+    cleared (the micro-batches of one step)."""
 
     ep: int = 1
     ep_mesh: DeviceMesh | None = None
     edp_mesh: DeviceMesh | None = None
     counts: dict[str, Tensor] = field(default_factory=dict)
+    accumulate: bool = False
 
 
 def num_experts(block: nn.Module) -> int:
@@ -83,7 +86,10 @@ def expert_meshes(batch: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
 def _record(state: MoEState, path: str, index: Any, experts: int) -> None:
     if isinstance(index, Tensor) and not index.dtype.is_floating_point:
         flat = index.detach().reshape(-1)
-        state.counts[path] = torch.bincount(flat.clamp(0, experts - 1), minlength=experts)
+        counts = torch.bincount(flat.clamp(0, experts - 1), minlength=experts)
+        if state.accumulate and path in state.counts:  # the micro-batches of one step
+            counts = counts + state.counts[path]
+        state.counts[path] = counts
 
 
 def _record_counts(state: MoEState, path: str) -> Any:
@@ -125,21 +131,33 @@ def install_moe(state: MoEState, base: nn.Module, moe_paths: list[str]) -> None:
             experts.register_forward_pre_hook(_record_counts(state, path))
 
 
-def balance_experts(model: nn.Module, rate: float) -> None:
+def _check_rate(rate: Any) -> None:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (rate >= 0):
+        raise ValueError(f"balance_experts: rate must be a finite number >= 0, got {rate!r}")
+    if rate == float("inf"):
+        raise ValueError("balance_experts: rate must be finite")
+
+
+def balance_experts(model: Any, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing, which transformers never applies in
     training: for every MoE router of a model parallelised by ``parallelize_model``,
     ``e_score_correction_bias += rate · sign(mean(load) − load)``, ``load[e]`` being the
     (token, expert) assignments of the last forward over the **whole global batch** (every rank
     of dp × cp × tp: one all-reduce of every layer's counts), so the bias is identical on every
     rank. Call after the step (every rank); the bias only shifts which experts are chosen,
-    never the routing weights. A router without ``e_score_correction_bias`` is left alone.
+    never the routing weights. A :class:`~hyper_parallel.models.PipelinedModel`: the loads of
+    every micro-batch of the last step, each stage over its own ranks (a stage without MoE
+    layers does nothing). A router without ``e_score_correction_bias`` is left alone.
     ``RuntimeError`` before the first forward; ``ValueError`` for a rate that is not a finite
     number ``>= 0``."""
+    parts = pipeline_parts(model)
+    if parts is not None:  # each stage over its own ranks; a stage without MoE does nothing
+        _check_rate(rate)
+        for part in parts:
+            balance_experts(part, rate)
+        return
     plan = plan_of(model, "balance_experts")
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (rate >= 0):
-        raise ValueError(f"balance_experts: rate must be a finite number >= 0, got {rate!r}")
-    if rate == float("inf"):
-        raise ValueError("balance_experts: rate must be finite")
+    _check_rate(rate)
     state: MoEState = plan.moe
     paths = [p for p, role in plan.roles.items() if role.routed]
     if not paths:

@@ -44,7 +44,7 @@ from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import SequenceMesh
 from hyper_parallel.models.roles import Role
-from hyper_parallel.models.state import LAYER, OWNER, ParallelPlan, plan_of
+from hyper_parallel.models.state import LAYER, OWNER, ParallelPlan, pipeline_parts, plan_of
 
 __all__ = ["sync_gradients"]
 
@@ -85,17 +85,27 @@ def _fields(args: Any) -> dict[str, Any] | None:
     return {"params": params, "grad_reduction": plan.grad_reduction}
 
 
-@checked_entry("sync_gradients", group=_batch_mesh, extra=_fields)
-def sync_gradients(model: nn.Module) -> None:
+def sync_gradients(model: Any) -> None:
     """Sum each parameter's gradient over the ranks that computed a share of it (see the
     module docstring), in place, so that every gradient (``full_tensor()`` of a DTensor one)
-    equals the serial model's on the full batch. Call after ``backward()``, before the
-    optimizer step, on every rank (a no-op under ``grad_reduction="fsdp"``, where FSDP2 has
-    already reduced them; calling it keeps a training loop independent of the choice).
-    ``RuntimeError`` if ``model`` was not parallelised by
-    :func:`~hyper_parallel.models.parallelize_model`. Consistency mode (hp-dtensor's README,
+    equals the serial model's on the full batch. Call after ``backward()`` (or
+    :meth:`~hyper_parallel.models.PipelinedModel.step`), before the optimizer step, on every
+    rank (a no-op under ``grad_reduction="fsdp"``, where FSDP2 has already reduced them;
+    calling it keeps a training loop independent of the choice). A
+    :class:`~hyper_parallel.models.PipelinedModel`: each of this rank's stages over its own
+    ranks (every parameter lives in one stage: nothing is summed over pp). ``RuntimeError``
+    if ``model`` was not parallelised by :func:`~hyper_parallel.models.parallelize_model` or
+    :func:`~hyper_parallel.models.pipeline_model`. Consistency mode (hp-dtensor's README,
     "Ranks that disagree"): the ranks first compare the trainable parameters (local shapes,
     dtypes) and the reduction."""
+    parts = pipeline_parts(model)
+    for part in [model] if parts is None else parts:
+        _sync_model(part)
+
+
+@checked_entry("sync_gradients", group=_batch_mesh, extra=_fields)
+def _sync_model(model: nn.Module) -> None:
+    """:func:`sync_gradients` of one parallelised model."""
     plan = plan_of(model, "sync_gradients")
     if plan.grad_reduction == "fsdp":
         return  # FSDP2 summed the gradients during backward (reduce-scatter, divide factor 1)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hyper_parallel.models.families import ModelFamily
     from hyper_parallel.models.roles import Role
 
-__all__ = ["LAYER", "OWNER", "ParallelPlan", "is_model_parallelized", "plan_of"]
+__all__ = ["LAYER", "OWNER", "ParallelPlan", "is_model_parallelized", "pipeline_parts", "plan_of"]
 
 LAYER = "hp-models"
 """The rewrite's layer name of a model parallelised by ``parallelize_model``."""
@@ -56,3 +56,11 @@ def plan_of(model: nn.Module, what: str) -> ParallelPlan:
     if not isinstance(plan, ParallelPlan):
         raise RuntimeError(f"{what} needs a model parallelised by parallelize_model")
     return plan
+
+
+def pipeline_parts(model: Any) -> list[nn.Module] | None:
+    """This rank's stages of a :class:`~hyper_parallel.models.PipelinedModel` (each a model
+    parallelised by ``parallelize_model``), or None for anything else."""
+    if getattr(model, "__hp_pipeline__", False):
+        return list(model.parts)
+    return None

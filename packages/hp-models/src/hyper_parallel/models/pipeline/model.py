@@ -28,7 +28,7 @@ one stage: no pipeline-dim reduction is needed.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +47,7 @@ from hyper_parallel.models.pipeline.schedules import (
 from hyper_parallel.models.pipeline.split import (
     balanced_split,
     check_layer_split,
+    decoder_layers,
     layer_costs,
     stage_ranges,
 )
@@ -70,7 +71,7 @@ def split_mesh(mesh: Any) -> tuple[DeviceMesh | None, DeviceMesh]:
         return None, check_mesh(mesh)
     if names not in _PP_DIMS:
         raise ValueError(
-            f"a pipeline mesh has dims {_PP_DIMS[0]} or {_PP_DIMS[1]}, \"pp\" first (stages "
+            f'a pipeline mesh has dims {_PP_DIMS[0]} or {_PP_DIMS[1]}, "pp" first (stages '
             f"outermost); got dims {names}"
         )
     return mesh["pp"], mesh[names[1:]]
@@ -93,7 +94,7 @@ def _warm_groups(model: nn.Module, stage_mesh: DeviceMesh, kda_protocol: str) ->
     fam, base = family_of(model)
     delta = any(
         fam.role_of(block).name in ("kda", "gdn")
-        for i, layer in enumerate(base.get_submodule("layers"))
+        for i, layer in enumerate(decoder_layers(base))
         for _, block in fam.layer_blocks(layer, i)
     )
     if not delta or kda_protocol not in ("auto", "grouped"):
@@ -142,6 +143,8 @@ class PipelinedModel:
         ]
         for mod in self._modules:  # torch's stage drives FSDP2 through the module it runs
             plan = plan_of(mod.part, "pipeline_model")
+            if plan.moe is not None:  # balance_experts: the loads of every micro-batch
+                plan.moe.accumulate = True
             if plan.grad_reduction == "fsdp":
                 from torch.distributed.fsdp import fully_shard
 
@@ -213,9 +216,7 @@ class PipelinedModel:
 
     # -- one step -----------------------------------------------------------------------------
 
-    def _micro_batches(
-        self, batch: dict[str, Tensor]
-    ) -> tuple[list[dict[str, Tensor]], int]:
+    def _micro_batches(self, batch: dict[str, Tensor]) -> tuple[list[dict[str, Tensor]], int]:
         """Every check of a step (collective-free, the same verdict on every rank), then this
         rank's block of each micro-batch and the global target count."""
         ids = batch.get("input_ids")
@@ -227,7 +228,7 @@ class PipelinedModel:
                 "PipelinedModel.step trains: it needs labels [B, T] (unshifted, -100 where no "
                 "loss is taken), the same shape as input_ids"
             )
-        bsz, seq = ids.shape
+        bsz = ids.shape[0]
         m = self.microbatches
         names = tuple(self.stage_mesh.mesh_dim_names or ())
         dp = self.stage_mesh.size(0) if names[0] == "dp" else 1
@@ -263,7 +264,7 @@ class PipelinedModel:
         from torch.distributed.pipelining import PipelineStage
 
         b, s = first.shape
-        hidden = self.parts[0].config.hidden_size
+        hidden = int(cast(Any, self.parts[0]).config.hidden_size)
         device = _device(self.stage_mesh)
         group = None if self.pp_mesh is None else self.pp_mesh.get_group()
         stages = []
@@ -282,8 +283,14 @@ class PipelinedModel:
             )
             stages.append(
                 PipelineStage(
-                    mod, mod.index, self.num_stages, device, input_args=(x,), output_args=(y,),
+                    mod,
+                    mod.index,
+                    self.num_stages,
+                    device,
+                    input_args=(x,),
+                    output_args=(y,),
                     group=group,
+                    dw_builder=_whole_backward if self._spec.split_backward else None,
                 )
             )
         cls = schedule_class(self.schedule)
@@ -317,6 +324,10 @@ class PipelinedModel:
         if position_ids is not None:
             batch["position_ids"] = position_ids
         micro, count = self._micro_batches(batch)
+        for part in self.parts:
+            moe = plan_of(part, "PipelinedModel.step").moe
+            if moe is not None:
+                moe.counts.clear()
         self._feed.micro = micro
         self._feed.count = count
         first = micro[0]["input_ids"]
@@ -346,9 +357,21 @@ class PipelinedModel:
             total = torch.stack([x.detach().float().reshape(()) for x in losses]).sum()
         if self.pp_mesh is not None and self.pp_mesh.size() > 1:
             g = comm.resolve_group(self.pp_mesh, "the pipeline loss")
-            total = comm.start_all_reduce(total, g, "all_reduce:pipeline_loss", "step", OWNER)
-            total = total.wait()
+            name = "all_reduce:pipeline_loss"
+            total = comm.start_all_reduce(total, g, name, "step", OWNER).wait()
         return total
+
+
+def _whole_backward() -> Any:
+    """torch's ``dw_builder`` for the split-backward schedules: the stage's backward computes
+    the input and the weight gradients in one pass (see
+    :mod:`hyper_parallel.models.pipeline.schedules`), so the deferred weight step has nothing
+    left to do."""
+    return _nothing
+
+
+def _nothing() -> None:
+    return None
 
 
 def _hidden_dtype(part: nn.Module) -> torch.dtype:
@@ -427,7 +450,7 @@ def pipeline_model(
     pp = 1 if pp_mesh is None else pp_mesh.size()
     spec = check_schedule(schedule, pp, stages_per_rank, microbatches)
     num_stages = pp * stages_per_rank
-    n_layers = len(base.get_submodule("layers"))
+    n_layers = len(decoder_layers(base))
     if layer_split is None:
         costs, head = layer_costs(model)
         sizes = balanced_split(costs, num_stages, last_extra=head)
@@ -446,19 +469,15 @@ def pipeline_model(
     if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1:
         dp = stage_mesh.size(0) if names[0] == "dp" else 1
         if (dp * cp * tp) % ep:
-            raise ValueError(
-                f"ep={ep} must divide each stage's dp·cp·tp = {dp * cp * tp} ranks"
-            )
+            raise ValueError(f"ep={ep} must divide each stage's dp·cp·tp = {dp * cp * tp} ranks")
     ranges = stage_ranges(sizes)
     owner = [s for s, r in enumerate(ranges) for _ in r]
     pp_rank = 0 if pp_mesh is None else int(pp_mesh.get_local_rank())
     mine = stages_of_rank(spec, pp_rank, pp, stages_per_rank)
-    parts = [
-        stage_model(model, base, ranges[s], owner, s == 0, s == num_stages - 1) for s in mine
-    ]
+    parts = [stage_model(model, base, ranges[s], owner, s == 0, s == num_stages - 1) for s in mine]
     kda_protocol = kwargs.get("kda_protocol", "auto")
     _warm_groups(model, stage_mesh, kda_protocol)
     for part in parts:
         apply_parallel(part, stage_mesh, reshard_after_forward=False, **kwargs)
-        part._hp_mp_policy = kwargs.get("mp_policy")
+        part._hp_mp_policy = kwargs.get("mp_policy")  # type: ignore[assignment]
     return PipelinedModel(parts, mine, ranges, pp_mesh, stage_mesh, microbatches, spec, pp_rank)

@@ -16,6 +16,16 @@ schedule                 torch  stages a rank        micro-batches ``m``        
 
 "loop": stage ``s`` on pp rank ``s % pp`` (a rank holds stages ``r, r + pp, ...``); "v": pp
 rank ``r`` holds stages ``r`` and ``2·pp − 1 − r`` (the first and the last stage on rank 0).
+
+The zero-bubble schedules (``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``) split
+each backward into an input-gradient step (I) and a weight-gradient step (W) that torch runs
+with two partial ``torch.autograd.grad`` calls. The layers here cannot be differentiated in
+parts: their backward collectives (Ulysses' all-to-alls, the delta-rule state exchange,
+FSDP2's reduce-scatters) pair a launch and a wait inside one backward, and a partial
+``autograd.grad`` prunes one of the pair. So these schedules run with torch's ``dw_builder``
+hook: the I step computes the input and the weight gradients in one backward and the W step
+has nothing left to do. The results are exact and the schedules' order (and their memory
+profile of stages in flight) is kept; the bubble their split would fill is not.
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ class ScheduleSpec:
     """One schedule: torch's class name, the torch release that added it, whether it runs
     several stages a rank (``multi``), how many stages a rank it needs (``per_rank``: an exact
     count, or ``None``: ``>= 2`` for a multi schedule, 1 otherwise) and the stage placement
-    (``"loop"`` or ``"v"``)."""
+    (``"loop"`` or ``"v"``); ``split_backward``: torch splits its backward into input and weight
+    steps (the zero-bubble schedules; see the module docstring)."""
 
     name: str
     cls: str
@@ -41,6 +52,7 @@ class ScheduleSpec:
     multi: bool
     per_rank: int | None
     style: str = "loop"
+    split_backward: bool = False
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -49,9 +61,17 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("GPipe", "ScheduleGPipe", "2.4", False, 1),
         ScheduleSpec("1F1B", "Schedule1F1B", "2.4", False, 1),
         ScheduleSpec("Interleaved1F1B", "ScheduleInterleaved1F1B", "2.4", True, None),
-        ScheduleSpec("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", "2.5", True, None),
-        ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", "2.6", True, 2, "v"),
-        ScheduleSpec("DualPipeV", "ScheduleDualPipeV", "2.9", True, 2, "v"),
+        ScheduleSpec(
+            "InterleavedZeroBubble",
+            "ScheduleInterleavedZeroBubble",
+            "2.5",
+            True,
+            None,
+            "loop",
+            True,
+        ),
+        ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", "2.6", True, 2, "v", True),
+        ScheduleSpec("DualPipeV", "ScheduleDualPipeV", "2.9", True, 2, "v", True),
     )
 }
 
@@ -85,8 +105,8 @@ def check_schedule(name: Any, pp: int, stages_per_rank: Any, microbatches: Any) 
     v, m = stages_per_rank, microbatches
     if spec.per_rank is not None and v != spec.per_rank:
         raise ValueError(
-            f"schedule {name!r} runs exactly {spec.per_rank} stage{'s' if spec.per_rank > 1 else ''}"
-            f" a rank; got stages_per_rank={v}"
+            f"schedule {name!r} runs exactly {spec.per_rank} "
+            f"stage{'s' if spec.per_rank > 1 else ''} a rank; got stages_per_rank={v}"
             + ("" if spec.multi else " (use 'Interleaved1F1B' for several stages a rank)")
         )
     if spec.multi and spec.per_rank is None and v < 2:

@@ -17,11 +17,22 @@ The split is computed from the model (or a meta copy of it) alone: the same on e
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
-__all__ = ["balanced_split", "check_layer_split", "layer_costs", "stage_ranges"]
+__all__ = [
+    "balanced_split",
+    "check_layer_split",
+    "decoder_layers",
+    "layer_costs",
+    "stage_ranges",
+]
+
+
+def decoder_layers(base: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a stock base model (its ``layers`` ModuleList), in order."""
+    return list(cast(nn.ModuleList, base.get_submodule("layers")))
 
 
 def _top_k_over_e(config: Any) -> float | None:
@@ -43,8 +54,9 @@ def layer_costs(model: nn.Module) -> tuple[list[float], float]:
     fam, base = family_of(model)
     config = getattr(base, "config", None)
     ratio = _top_k_over_e(config)
+    scale = 1.0 if ratio is None else ratio
     costs: list[float] = []
-    for i, layer in enumerate(base.get_submodule("layers")):
+    for i, layer in enumerate(decoder_layers(base)):
         routed: set[int] = set()
         for _, block in fam.layer_blocks(layer, i):
             if fam.role_of(block).routed and ratio is not None:
@@ -53,7 +65,7 @@ def layer_costs(model: nn.Module) -> tuple[list[float], float]:
                     routed |= {id(p) for p in experts.parameters()}
         total = 0.0
         for p in layer.parameters():
-            total += p.numel() * (ratio if id(p) in routed else 1.0)
+            total += p.numel() * (scale if id(p) in routed else 1.0)
         costs.append(total)
     head = getattr(model, "lm_head", None) if model is not base else None
     head_cost = float(sum(p.numel() for p in head.parameters())) if head is not None else 0.0

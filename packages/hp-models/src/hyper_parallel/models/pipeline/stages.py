@@ -26,6 +26,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from hyper_parallel.models.absent import AbsentLayer
+from hyper_parallel.models.pipeline.split import decoder_layers
 
 __all__ = ["Feed", "StageModule", "stage_model"]
 
@@ -38,7 +39,7 @@ def stage_model(
     docstring). ``owner[i]``: the stage holding layer ``i``. Small modules without parameters
     (the rotary embedding) are copied; the config object is shared."""
     memo: dict[int, Any] = {}
-    for i, layer in enumerate(base.get_submodule("layers")):
+    for i, layer in enumerate(decoder_layers(base)):
         memo[id(layer)] = layer if i in layers else AbsentLayer(i, owner[i])
     embed = base.get_submodule("embed_tokens")
     memo[id(embed)] = embed if first else None
@@ -50,7 +51,7 @@ def stage_model(
         if config is not None:
             memo[id(config)] = config
     # anything else holding parameters would be duplicated into every stage
-    moved = {id(p) for layer in base.get_submodule("layers") for p in layer.parameters()}
+    moved = {id(p) for layer in decoder_layers(base) for p in layer.parameters()}
     moved |= {id(p) for p in embed.parameters()} | {id(p) for p in head.parameters()}
     moved |= {id(p) for p in base.get_submodule("norm").parameters()}
     stray = [n for n, p in model.named_parameters() if id(p) not in moved]
@@ -98,6 +99,8 @@ class StageModule(nn.Module):
         return self.part(**kw).loss.reshape(1)
 
     def extra_repr(self) -> str:
-        return f"stage {self.index}" + (" (first)" if self.first else "") + (
-            " (last)" if self.last else ""
+        return (
+            f"stage {self.index}"
+            + (" (first)" if self.first else "")
+            + (" (last)" if self.last else "")
         )
