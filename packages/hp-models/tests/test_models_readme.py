@@ -43,3 +43,10 @@ def test_readme_plan_example_runs():
     out = run_markdown_example(README, index, timeout=180).splitlines()
     assert out[0].startswith("parameters ") and out[0].endswith(("fits 64 GB: True", "False"))
     assert out[1].startswith("largest collective: ")
+
+
+@pytest.mark.timeout(300)
+def test_readme_pipeline_example_runs():
+    index = _block_index("pm = pipeline_model(tiny_model(")
+    out = run_markdown_example(README, index, timeout=280).splitlines()
+    assert out == [f"{r} {[r // 2]} [2, 2] True" for r in range(4)]
