@@ -1,7 +1,11 @@
 """Data parallelism: a (dp, cp, tp) mesh over 4 ranks trains like the serial model on the
 GLOBAL batch (float64): the loss on every rank, every gradient after ``sync_gradients``,
-``clip_grad_norm_``, two optimizer steps; with FSDP2 (HSDP for the dense MLPs) and with the
-all-reduce; each dp rank gets only its rows and computes only its share."""
+``clip_grad_norm_``, two optimizer steps; with FSDP2 and with the all-reduce; each dp rank gets
+only its rows and computes only its share. Under FSDP2 every dense MLP weight (a tp shard) is
+sharded over the dp·cp ranks holding it: each element on exactly one rank, the mesh
+``(dp_cp, tp)``; that placement is saved by ``save_pretrained`` (and read back by stock
+``from_pretrained`` and by hp-models' at the same mesh) and by DCP (resumed into the
+all-reduce's placement)."""
 
 from __future__ import annotations
 
@@ -10,22 +14,31 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _models_testutil import (
     assert_grads_like_serial,
     assert_params_like_serial,
     full64,
     step_all,
 )
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils.flop_counter import FlopCounterMode
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.rewrite import parallel_state
 from hyper_parallel.dtensor.testing import run_distributed
-from hyper_parallel.models import clip_grad_norm_, parallelize_model, shard_batch, sync_gradients
+from hyper_parallel.models import (
+    clip_grad_norm_,
+    from_pretrained,
+    parallelize_model,
+    shard_batch,
+    sync_gradients,
+)
 from hyper_parallel.models.testing import import_transformers, random_batch, tiny_model
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}  # Kimi-Linear's KDA computes in float32
 BSZ, SEQ = 4, 16
+LOAD = {"dtype": torch.float64, "experts_implementation": "eager"}  # grouped_mm: no float64
 
 
 def _raised(fn, *args, **kwargs):
@@ -40,6 +53,44 @@ def _flops(module, inputs):
     with FlopCounterMode(display=False) as counter:
         module(**inputs)
     return counter.get_total_flops()
+
+
+def _mlp_shards(model):
+    """Each dense MLP parameter's ``(local numel, whole shape, mesh dim names)`` on this
+    rank."""
+    plan = parallel_state(model, "hp-models")
+    out = {}
+    for path, role in plan.roles.items():
+        if role.name == "dense_mlp":
+            for name, p in model.model.get_submodule(path).named_parameters():
+                names = tuple(p.device_mesh.mesh_dim_names)
+                out[f"{path}.{name}"] = (p.to_local().numel(), tuple(p.shape), names)
+    return out
+
+
+def _weights_equal(model, weights):
+    """The names of ``model``'s parameters whose whole tensor differs from ``weights``."""
+    return [n for n, p in model.named_parameters() if not torch.equal(full64(p), weights[n])]
+
+
+def _reload(kind, mesh, folder, tmp, model, opt, weights):
+    """``from_pretrained`` of ``folder`` at ``mesh`` under FSDP2, and the DCP checkpoint of
+    ``model``/``opt`` resumed into the all-reduce's placement: the parameters that differ from
+    ``weights`` (none expected)."""
+    again = from_pretrained(folder, mesh, grad_reduction="fsdp", **LOAD)
+    loaded = _weights_equal(again, weights)
+    checkpoint = os.path.join(tmp, f"dcp-{kind}")
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoint)
+    other = parallelize_model(tiny_model(kind, seed=7), mesh, grad_reduction="allreduce")
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.5, momentum=0.9)
+    msd, osd = get_state_dict(other, other_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_state_dict(
+        other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return {"from_pretrained": loaded, "dcp": _weights_equal(other, weights)}
 
 
 def _train(dp, cp, tp, cases, tmp):
@@ -82,11 +133,13 @@ def _train(dp, cp, tp, cases, tmp):
         with torch.no_grad():
             flops = _flops(model, local)
             serial_flops = _flops(serial, probe)
-        if kind == cases[0][0]:  # save_pretrained under dp: every rank writes, the same weights
+        if reduction == "auto":  # FSDP2: save_pretrained under dp, every rank writes its share
+            report["mlp_shards"] = _mlp_shards(model)
             rank = dist.get_rank()
             folder = os.path.join(tmp, "hf")
             weights = {n: full64(p) for n, p in model.named_parameters()}
             model.save_pretrained(folder)
+            report["reloaded"] = _reload(kind, mesh, folder, tmp, model, opt, weights)
             report["written"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
             if rank == 0:
                 plain = import_transformers().AutoModelForCausalLM.from_pretrained(
@@ -134,3 +187,16 @@ def test_data_parallel_trains_like_serial_on_the_global_batch(dp, cp, tp, cases,
             # each rank runs at most 1/(dp·cp·tp) of the serial forward (Kimi's serial torch KDA
             # works on 64-token chunks, so its share is smaller still)
             assert rep[kind]["flops_share"] <= 1.02, rep[kind]
+        # the FSDP2 model saved by save_pretrained and DCP reads back equal, at this mesh
+        assert rep["reloaded"] == {"from_pretrained": [], "dcp": []}, rep["reloaded"]
+    # FSDP2 holds each dense MLP weight (a tp shard) once over all dp·cp·tp ranks: the ranks'
+    # local tensors add up to the whole, each within one row of the even share
+    ranks = dp * cp * tp
+    shards = [rep["mlp_shards"] for rep in results]
+    assert shards[0], "no dense MLP parameter"
+    for name, (_, shape, names) in shards[0].items():
+        assert names == ("dp_cp", "tp"), (name, names)
+        held = [s[name][0] for s in shards]
+        numel = torch.Size(shape).numel()
+        assert sum(held) == numel, (name, held, shape)
+        assert max(held) - numel / ranks <= numel / shape[0], (name, held, shape)

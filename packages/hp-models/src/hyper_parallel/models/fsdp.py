@@ -7,7 +7,7 @@ that computed a share:
 ==========================================  ===========================  =====================
 module                                      parameters                   ``fully_shard`` mesh
 ==========================================  ===========================  =====================
-each dense gated MLP (hp-mc2)               DTensor shards over ``tp``   ``cp`` (2-D with tp)
+each dense gated MLP (hp-mc2)               DTensor shards over ``tp``   ``cp`` / ``dp_cp`` (+tp)
 each decoder layer (mixers, norms, MoE)     whole on every rank          ``flat`` (cp·tp)
 the experts of a MoE block at ``ep > 1``    DTensor shards over ``ep``   ``edp`` (2-D with ep)
 the model (embeddings, final norm, head)    whole on every rank          ``flat`` (cp·tp)
@@ -17,9 +17,13 @@ A ``MixedPrecisionPolicy`` (``mp_policy``) goes to every ``fully_shard``: e.g. f
 weights, ``param_dtype=torch.bfloat16`` (each block's parameters are all-gathered and computed
 in bf16, its floating inputs cast to bf16) and ``reduce_dtype=torch.float32`` (gradients summed
 in float32 into the float32 shards).
-On a (dp, cp, tp) mesh the dense MLPs use HSDP over ``(dp, cp)`` (replicated over dp,
-sharded over cp: FSDP2 all-reduces their gradients over dp) and the rest FSDP over every rank
-(``dp·cp·tp``), so the sums include the other data-parallel replicas' rows.
+On a (dp, cp, tp) mesh the dense MLPs use FSDP over ``dp_cp``, the ``dp·cp`` ranks that hold
+the same tp shard (``SequenceMesh.fsdp_mlp_mesh``: a 1-D slice of the ``(dp·cp, tp)`` mesh),
+and the rest FSDP over every rank (``dp·cp·tp``), so the sums include the other
+data-parallel replicas' rows and each tp shard is sharded over all the ranks that hold it: a
+dense MLP weight ``[I, H]`` (column-parallel) is ``[I/(dp·cp·tp), H]`` a rank, on the 2-D mesh
+``(dp_cp, tp)`` with placements ``(_StridedShard(0, sf=tp), Shard(0))``; nothing is replicated
+over dp (no HSDP).
 Parameters become DTensors sharded over those meshes (FSDP2's usual ZeRO-3 layout): build the
 optimizer after ``parallelize_model``; ``p.full_tensor()`` gives a whole parameter or gradient.
 
@@ -41,10 +45,10 @@ Two things FSDP2 must do for that, and how each torch release's FSDP2 is made to
   before its ``post`` division) multiplies by ``pre·post`` as FSDP2's own
   ``_get_gradient_divide_factors`` gives them: the sum for every dtype, exactly where
   ``pre·post`` is a power of two (every FSDP mesh of 2, 4, 8, ... ranks); otherwise within an
-  ulp of it. Its native HSDP cannot sum (its dp all-reduce is ``AVG`` for float32/bf16), so the
-  dense MLPs' ``(dp, cp)`` HSDP becomes FSDP over ``cp`` whose hook then all-reduces (``SUM``)
-  over ``dp``: their parameters are DTensors over ``(cp, tp)``, replicated over dp without a
-  dp dim. (On gloo, torch 2.7's ``reduce_scatter_tensor`` ignores its op and always sums, so
+  ulp of it. Its native HSDP cannot sum (its dp all-reduce is ``AVG`` for float32/bf16);
+  :func:`make_sums` offers a stand-in (FSDP over the shard mesh whose hook then all-reduces,
+  ``SUM``, over a ``dp_mesh``), which hp-models' own units no longer need: none is HSDP.
+  (On gloo, torch 2.7's ``reduce_scatter_tensor`` ignores its op and always sums, so
   there an ``AVG`` reduce-scatter would sum by accident; NCCL would average: the op is set.)
 
 **Every parameter in every reduce-scatter**, even one this rank's forward did not use, so that
@@ -244,7 +248,7 @@ def _fill_unused_hook(slots: list[tuple[nn.Module, str]]) -> Callable[..., Any]:
 def _legacy_sum_hook(rs_mesh: Any, dp_mesh: Any) -> Callable[[Tensor], None]:
     """torch 2.7's all-reduce hook for a unit sharded over ``rs_mesh``: undo FSDP2's
     ``pre``/``post`` division (``reduce_output`` is ``Σ g/pre`` and FSDP2 divides it by
-    ``post`` after this hook), then (the dense MLPs under dp) sum over ``dp_mesh``."""
+    ``post`` after this hook), then (an HSDP stand-in) sum over ``dp_mesh``."""
     coll = _legacy_internals()
     rs_group = rs_mesh.get_group()
     dp = None if dp_mesh is None or dp_mesh.size() == 1 else comm.resolve_group(dp_mesh, "fsdp")
@@ -301,7 +305,7 @@ def apply_fsdp(
     kw: dict[str, Any] = {} if mp_policy is None else {"mp_policy": mp_policy}
     if reshard_after_forward is not None:
         kw["reshard_after_forward"] = reshard_after_forward
-    # (module, mesh it is sharded over, dp mesh its hook all-reduces over: torch 2.7's HSDP)
+    # (module, mesh it is sharded over, None: no unit needs make_sums' HSDP stand-in)
     wrapped: list[tuple[Any, Any, Any]] = []
     if edp is not None:  # experts split over ep (DTensors on ep): sharded over the edp ranks
         for path, role in roles.items():
@@ -309,13 +313,10 @@ def apply_fsdp(
                 experts = base.get_submodule(path).get_submodule("experts")
                 wrapped.append((fully_shard(experts, mesh=edp, **kw), edp, None))
     for path, role in roles.items():  # blocks reduced over another mesh than the layer's
-        if sm.fsdp_mesh_for(role.scope) is not sm.fsdp_mesh:
+        mesh = sm.fsdp_mesh_for(role.scope)  # a dense MLP: every rank of its tp shard
+        if mesh is not sm.fsdp_mesh:
             block = base.get_submodule(path)
-            if mode == "sum_op" and sm.dp is not None and sm.fsdp_mesh_for(role.scope) is sm.dp_cp:
-                wrapped.append((fully_shard(block, mesh=sm.cp, **kw), sm.cp, sm.dp))
-            else:
-                mesh = sm.fsdp_mesh_for(role.scope)
-                wrapped.append((fully_shard(block, mesh=mesh, **kw), mesh, None))
+            wrapped.append((fully_shard(block, mesh=mesh, **kw), mesh, None))
     for layer in base.get_submodule("layers").children():
         if is_absent(layer):
             continue

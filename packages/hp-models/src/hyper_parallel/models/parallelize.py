@@ -149,9 +149,9 @@ def parallelize_model(
     ``("cp", "tp")`` (sizes may be 1) and return it. A 3-D mesh ``("dp", "cp", "tp")`` adds
     data parallelism: each ``dp`` slice is such a (cp, tp) mesh on its ``B/dp`` rows (see
     :func:`~hyper_parallel.models.shard_batch`); ``out.loss`` is then the loss of the whole
-    global batch on every rank and the gradients are summed over ``dp`` too (FSDP2: HSDP over
-    ``(dp, cp)`` for the dense MLPs, FSDP over all ranks for the rest; all-reduce: over
-    ``dp`` as well).
+    global batch on every rank and the gradients are summed over ``dp`` too (FSDP2: FSDP over
+    the ``dp·cp`` ranks of each tp shard for the dense MLPs, over all ranks for the rest;
+    all-reduce: over ``dp`` as well).
 
     Afterwards call it on this rank's block: ``model(**shard_batch(batch, mesh))`` with
     ``input_ids`` ``[B, T/(cp·tp)]``; ``out.loss`` is the serial loss on the full batch, on
