@@ -34,10 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from hyper_parallel.dtensor import DeviceMesh, checked_entry, comm
+from hyper_parallel.dtensor.mesh import native_path_available, root_mesh
 from hyper_parallel.models.batch import IGNORE_INDEX, shard_batch
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import DP_MESH_DIMS, MESH_DIMS, check_mesh, cp_tp
 from hyper_parallel.models.parallelize import _roles, apply_parallel
+from hyper_parallel.models.pipeline.p2p import every_work
 from hyper_parallel.models.pipeline.schedules import (
     ScheduleSpec,
     check_schedule,
@@ -74,7 +76,27 @@ def split_mesh(mesh: Any) -> tuple[DeviceMesh | None, DeviceMesh]:
             f'a pipeline mesh has dims {_PP_DIMS[0]} or {_PP_DIMS[1]}, "pp" first (stages '
             f"outermost); got dims {names}"
         )
-    return mesh["pp"], mesh[names[1:]]
+    return mesh["pp"], _stage_mesh(mesh, names[1:])
+
+
+def _stage_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh[names]``, the ranks of this rank's pp coordinate. Where torch cannot slice a slice
+    (torch < 2.10, hp-dtensor's fallback path: "Cannot create a submesh from a submesh"), the
+    same ranks and groups as a mesh of its own instead (``DeviceMesh.from_group``, never
+    sliced from ``mesh``: torch would take an equal slice for a child), whose root for
+    hp-dtensor stays ``mesh``'s (``_hp_root``, which :func:`hyper_parallel.dtensor.root_mesh`
+    follows), so every flatten and unflatten of a stage's dims lays its groups out over the
+    whole job, the same on every rank."""
+    if native_path_available():
+        return mesh[names]
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("this rank is not part of the mesh")
+    groups = [mesh.get_group(d) for d in range(1, mesh.ndim)]
+    ranks = mesh.mesh[coord[0]].clone()
+    stage = DeviceMesh.from_group(groups, mesh.device_type, mesh=ranks, mesh_dim_names=names)
+    stage._hp_root = root_mesh(mesh)  # type: ignore[attr-defined]
+    return stage
 
 
 def _device(mesh: DeviceMesh) -> torch.device:
@@ -349,7 +371,8 @@ class PipelinedModel:
             call["target"] = mb.clone()
         losses: list[Tensor] = []
         try:
-            self._runner.step(*args, losses=losses, **call)
+            with every_work():  # torch 2.7 on gloo: wait on every point-to-point work
+                self._runner.step(*args, losses=losses, **call)
         finally:
             self._feed.micro = []
         total = torch.zeros((), dtype=torch.float32, device=device)
