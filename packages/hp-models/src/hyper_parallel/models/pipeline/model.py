@@ -96,6 +96,13 @@ def _stage_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     ranks = mesh.mesh[coord[0]].clone()
     stage = DeviceMesh.from_group(groups, mesh.device_type, mesh=ranks, mesh_dim_names=names)
     stage._hp_root = root_mesh(mesh)  # type: ignore[attr-defined]
+    try:
+        stage[names[0]]
+    except RuntimeError:  # an equal mesh (same ranks and names) sliced earlier in this process
+        # made torch < 2.10 take this one for that child: it is a root of its own
+        from torch.distributed.device_mesh import _mesh_resources
+
+        getattr(_mesh_resources, "child_to_root_mapping", {}).pop(stage, None)
     return stage
 
 

@@ -14,6 +14,10 @@ schedule                 torch  stages a rank        micro-batches ``m``        
 ``DualPipeV``            2.9    2                    ``m >= 2·pp``                  v
 =======================  =====  ===================  =============================  ========
 
+The V schedules also need a torch whose stages hand activations to a stage on the same rank in
+place (:func:`same_rank_hand_off`; torch 2.7.1 sends them through the process group and
+fails); elsewhere they raise ``ValueError``.
+
 "loop": stage ``s`` on pp rank ``s % pp`` (a rank holds stages ``r, r + pp, ...``); "v": pp
 rank ``r`` holds stages ``r`` and ``2·pp − 1 − r`` (the first and the last stage on rank 0).
 
@@ -35,7 +39,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["SCHEDULES", "ScheduleSpec", "check_schedule", "schedule_class", "stages_of_rank"]
+__all__ = [
+    "SCHEDULES",
+    "ScheduleSpec",
+    "check_schedule",
+    "same_rank_hand_off",
+    "schedule_class",
+    "stages_of_rank",
+]
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,14 @@ def schedule_class(name: str) -> Any:
     return getattr(schedules, SCHEDULES[name].cls, None)
 
 
+def same_rank_hand_off() -> bool:
+    """Whether this torch's ``PipelineStage`` passes activations between two stages on one
+    rank in place (``_is_same_rank``), as the V schedules need."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return hasattr(PipelineStage, "_is_same_rank")
+
+
 def check_schedule(name: Any, pp: int, stages_per_rank: Any, microbatches: Any) -> ScheduleSpec:
     """Every rule of the table in the module docstring; ``ValueError`` (``TypeError`` for a
     non-int) naming the rule, the same on every rank."""
@@ -102,6 +121,14 @@ def check_schedule(name: Any, pp: int, stages_per_rank: Any, microbatches: Any) 
             raise TypeError(f"{what} must be an int, got {value!r}")
         if value < 1:
             raise ValueError(f"{what} must be >= 1, got {value}")
+    if spec.style == "v" and not same_rank_hand_off():
+        raise ValueError(
+            f"schedule {name!r} puts two consecutive stages on one rank, and this torch "
+            f"({torch.__version__}) sends the activations between them through the process "
+            "group, which fails (a send to itself); torch releases whose PipelineStage hands "
+            "them over in place (_is_same_rank: torch 2.13 has it) run it; use "
+            "'Interleaved1F1B' here"
+        )
     v, m = stages_per_rank, microbatches
     if spec.per_rank is not None and v != spec.per_rank:
         raise ValueError(
