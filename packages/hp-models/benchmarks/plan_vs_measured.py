@@ -3,11 +3,12 @@
 quantity's plan, the busiest rank's measurement and plan / measured: parameters, gradients,
 optimizer states (FSDP2), the activations' peak (all-reduce: no FSDP2 buffers among the
 tensors) and the bytes of every collective a step (hp-dtensor's recorder and FSDP2's
-collectives).
+collectives); then the tests' pipelines (``pipeline_model`` at (pp, cp, tp) = (2, 2, 1)), each
+pp rank's plan against the busiest of its ranks.
 
     python packages/hp-models/benchmarks/plan_vs_measured.py [--out table.md]
 
-About 25 s on 2 CPU cores. The markdown table it prints is the one in docs/benchmarks.md
+About 40 s on 2 CPU cores. The markdown table it prints is the one in docs/benchmarks.md
 (run notes).
 """
 
@@ -60,6 +61,33 @@ def rows() -> list[str]:
                 m = got.get(q, 0)
                 ratio = f"{planned[q] / m:.3f}" if m else "-"
                 out.append(f"| {label} | {q} | {planned[q]:,} | {m:,} | {ratio} |")
+    # pipelines: each pp rank against its ranks' busiest (the activations under all-reduce)
+    real = run_distributed(t._pipe_step, 4, t.PIPES, timeout=600)
+    for i, case in enumerate(t.PIPES):
+        plan = t._pipe_plan(*case)
+        kind, dims, ep, reduction, m, schedule, v = case
+        per_rank = 4 // dims[0]
+        for pr in plan.ranks:
+            got_ranks = [
+                real[r][i] for r in range(pr.pp_rank * per_rank, (pr.pp_rank + 1) * per_rank)
+            ]
+            label = (
+                f"{kind} pp, cp, tp = {dims} ep={ep} {reduction} {schedule} m={m}"
+                f"{f' v={v}' if v > 1 else ''}, pp rank {pr.pp_rank} (stages {list(pr.stages)})"
+            )
+            planned = {q: getattr(pr, q) for q in ("parameters", "gradients", "optimizer")}
+            got = {q: max(g[q] for g in got_ranks) for q in planned}
+            if reduction == "allreduce":
+                planned["activations"] = pr.activations
+                got["activations"] = max(g["activations"] for g in got_ranks)
+            for g in got_ranks:
+                for name, n in t._merged(g["collectives"]).items():
+                    got[name] = max(got.get(name, 0), n)
+            planned.update(pr.collectives)
+            for q in planned:
+                n = got.get(q, 0)
+                ratio = f"{planned[q] / n:.3f}" if n else "-"
+                out.append(f"| {label} | {q} | {planned[q]:,} | {n:,} | {ratio} |")
     return out
 
 

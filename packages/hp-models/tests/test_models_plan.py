@@ -9,7 +9,12 @@
   step, parameter gradients left out) within :data:`ACT_TOL` of the plan's, for KDA + MLA +
   MoE (Kimi-Linear) and MLA + MoE (DeepSeek-V3), with and without cp, with and without
   activation checkpointing.
-- The planner needs no process group and refuses to run beside one; the CLI ranks the meshes.
+- Pipelines (``pipeline_model`` at (pp, cp, tp) = (2, 2, 1), ``1F1B`` and ``Interleaved1F1B``):
+  every rank's held bytes and every collective (FSDP2's once a step, the stages' sends, the
+  losses) equal its pp rank's plan, the activations in flight within :data:`ACT_TOL`.
+- The schedules' bubble and what each rank keeps in flight, from torch's action orders; a
+  pipeline plan adds up to the whole model's; the planner needs no process group and refuses
+  to run beside one; the CLI ranks the meshes, pipelines too.
 """
 
 from __future__ import annotations
@@ -120,6 +125,102 @@ def _merged(moved: dict[str, int]) -> dict[str, int]:
     for name, n in moved.items():
         out[collective_name(name)] = out.get(collective_name(name), 0) + n
     return out
+
+
+# pipelines: (kind, (pp, cp, tp), ep, grad_reduction, micro-batches, schedule, stages a rank);
+# the activations checked under all-reduce (no FSDP2 buffers among the tensors)
+PIPES = [
+    ("deepseek", (2, 2, 1), 2, "fsdp", 2, "1F1B", 1),
+    ("kimi", (2, 2, 1), 2, "allreduce", 2, "1F1B", 1),
+    ("deepseek", (2, 2, 1), 2, "allreduce", 4, "Interleaved1F1B", 2),
+]
+PIPE_OVERRIDES = {**OVERRIDES, "deepseek": {"vocab_size": 50, "num_hidden_layers": 4}}
+PIPE_ROWS = 2  # rows a micro-batch
+
+
+def _pipe_step(cases: list[Any]) -> list[dict[str, Any]]:
+    """On each rank, per case: two training steps of the tiny model under ``pipeline_model``,
+    the second measured (torch's stages allocate their receive buffers, which the plan counts
+    apart, in the first), then the optimizer's step."""
+    import torch.distributed as dist
+
+    from hyper_parallel.models import pipeline_model
+    from hyper_parallel.models.plan.measure import count_collectives, held_bytes, track_activations
+
+    out = []
+    for i, (kind, dims, ep, reduction, m, schedule, v) in enumerate(cases):
+        model = tiny_model(kind, dtype=torch.float32, **PIPE_OVERRIDES[kind])
+        model.train()
+        name = f"pipe{i}"
+        world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=(name,))
+        mesh = unflatten(world, name, dims, ("pp", "cp", "tp"))
+        pm = pipeline_model(
+            model, mesh, microbatches=m, schedule=schedule, stages_per_rank=v, ep=ep,
+            grad_reduction=reduction,
+        )  # fmt: skip
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        batch = random_batch(vocab=50, bsz=PIPE_ROWS * m, seq=SEQ)
+        pm.step(**batch)
+        pm.zero_grad()
+        with count_collectives() as moved, track_activations() as trace:
+            pm.step(**batch)
+        trace.exclude_tensors([p.grad for p in pm.parameters() if p.grad is not None])
+        opt.step()
+        out.append({**held_bytes(pm, opt), "collectives": moved, "activations": trace.peak()})
+    return out
+
+
+def _pipe_plan(kind: str, dims: Any, ep: int, reduction: str, m: int, schedule: str, v: int) -> Any:
+    pp, cp, tp = dims
+    cfg_kind = {"deepseek": deepseek_config, "kimi": kimi_config}[kind]
+    return plan_memory(
+        cfg_kind(**PIPE_OVERRIDES[kind]),
+        dims={"pp": pp, "cp": cp, "tp": tp},
+        ep=ep,
+        seq_len=SEQ,
+        batch=PIPE_ROWS * m,
+        dtype=torch.float32,
+        grad_reduction=reduction,
+        attn_implementation=ATTN[kind],
+        microbatches=m,
+        schedule=schedule,
+        stages_per_rank=v,
+    )
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_pipeline_plan_equals_what_ranks_hold_move_and_keep() -> None:
+    real = run_distributed(_pipe_step, 4, PIPES, timeout=TIMEOUT)
+    for i, case in enumerate(PIPES):
+        plan = _pipe_plan(*case)
+        pp, reduction = case[1][0], case[3]
+        per_rank = 4 // pp
+        for pr in plan.ranks:
+            ranks = range(pr.pp_rank * per_rank, (pr.pp_rank + 1) * per_rank)
+            got = [real[r][i] for r in ranks]
+            where = (case, pr.pp_rank)
+            assert all(g["parameters"] == pr.parameters for g in got), where
+            assert all(g["gradients"] == pr.gradients for g in got), where
+            assert max(g["optimizer"] for g in got) == pr.optimizer, where
+            if reduction == "allreduce":
+                measured = max(g["activations"] for g in got)
+                ratio = pr.activations / measured
+                assert abs(ratio - 1) <= ACT_TOL, (where, pr.activations, measured, ratio)
+            busiest: dict[str, int] = {}
+            for g in got:
+                for name, n in _merged(g["collectives"]).items():
+                    busiest[name] = max(busiest.get(name, 0), n)
+            assert set(busiest) == set(pr.collectives), (where, set(busiest) ^ set(pr.collectives))
+            for name, n in pr.collectives.items():
+                if name.startswith(("moe:dispatch", "moe:combine")):
+                    assert abs(busiest[name] / n - 1) <= MOE_TOL, (where, name, busiest[name], n)
+                else:
+                    assert busiest[name] == n, (where, name, busiest[name], n)
+        # FSDP2 gathers each stage once a step: the busiest rank's all-gather is its stage's
+        if reduction == "fsdp":
+            assert plan.collectives["fsdp.all_gather"] == max(
+                pr.collectives["fsdp.all_gather"] for pr in plan.ranks
+            )
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
@@ -259,6 +360,71 @@ def test_plan_delta_rule_layer_within_tolerance_of_measured_peak() -> None:
         assert abs(plan / measured - 1) <= ACT_TOL, (kind, plan, measured, plan / measured)
 
 
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("m", [4, 8])
+def test_schedules_bubble_and_in_flight_from_torchs_orders(pp: int, m: int) -> None:
+    """Torch's orders give the textbook bubbles and what each rank keeps in flight."""
+    from hyper_parallel.models.plan.schedule import bubble, in_flight_peak, rank_actions
+
+    def most(schedule: str, v: int) -> list[int]:
+        out = []
+        for actions in rank_actions(schedule, pp, m, v):
+            ones = {s: 1 for _, s, _ in actions}
+            out.append(in_flight_peak(actions, ones, ones)[2])
+        return out
+
+    assert bubble("1F1B", pp, m, 1) == pytest.approx((pp - 1) / (m + pp - 1))
+    assert bubble("GPipe", pp, m, 1) == pytest.approx((pp - 1) / (m + pp - 1))
+    assert bubble("Interleaved1F1B", pp, m, 2) == pytest.approx((pp - 1) / (2 * m + pp - 1))
+    # torch's split backward (input, weight gradients a forward's time each) fills the rest
+    split = bubble("InterleavedZeroBubble", pp, m, 2, split_backward=True)
+    assert split == pytest.approx((pp - 1) / (3 * 2 * m + pp - 1))
+    assert most("1F1B", 1) == [min(m, pp - s) for s in range(pp)]
+    assert most("GPipe", 1) == [m] * pp
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    warm = [min((2 - 1) * per_round + 2 * (pp - 1 - r), 2 * m) for r in range(pp)]
+    assert most("Interleaved1F1B", 2) == [min(w + 1, 2 * m) for w in warm]
+
+
+def test_pipeline_plan_adds_up_to_the_whole_model() -> None:
+    """A pipeline's stages hold the whole model's bytes between them, each FSDP2 unit gathered
+    once a step; the split is the runtime's; the dims may carry pp."""
+    from hyper_parallel.models.pipeline.split import balanced_split, layer_costs
+    from hyper_parallel.models.plan.placement import build_on_meta
+
+    cfg = deepseek_config(**PIPE_OVERRIDES["deepseek"])
+    kw: dict[str, Any] = dict(ep=2, seq_len=SEQ, dtype=torch.float32, attn_implementation="sdpa")
+    whole = plan_memory(cfg, dims=(1, 2, 1), batch=4, **kw)
+    pipe = plan_memory(cfg, dims={"pp": 2, "cp": 2, "tp": 1}, batch=4, microbatches=4, **kw)
+    assert plan_memory(cfg, dims=(2, 1, 2, 1), batch=4, microbatches=4, **kw) == pipe
+    assert plan_memory(cfg, dims=(1, 2, 1), pp=2, batch=4, microbatches=4, **kw) == pipe
+    costs, head = layer_costs(build_on_meta(cfg, torch.float32))
+    assert list(pipe.stage_layers) == balanced_split(costs, 2, last_extra=head)
+    assert pipe.mesh_dims == (2, 1, 2, 1) and pipe.devices == 4 and pipe.pipelined
+    assert pipe.bubble == pytest.approx(1 / 5)
+    stages = pipe.stage_plans
+    for what in ("parameters", "gradients", "optimizer"):
+        assert sum(getattr(sp, what) for sp in stages) == getattr(whole, what), what
+    rs = "fsdp.reduce_scatter"
+    assert sum(sp.collectives[rs] for sp in stages) == whole.collectives[rs]
+    # each unit gathered once (the whole model gathers a layer twice): less than half
+    ag = "fsdp.all_gather"
+    assert sum(sp.collectives[ag] for sp in stages) < whole.collectives[ag]
+    assert pipe.collectives[ag] < whole.collectives[ag] / 2
+    # the busiest rank: its total, the most of any rank
+    assert pipe.total == max(r.total for r in pipe.ranks)
+    hidden = 1 * SEQ // 2 * cfg.hidden_size * 4  # a micro-batch's hidden states on one rank
+    assert pipe.collectives["p2p:pipeline"] == 4 * hidden
+    assert pipe.pipeline_buffers == 4 * hidden
+    with pytest.raises(ValueError, match="pp"):
+        plan_memory(cfg, dims=(2, 1, 2, 1), pp=4, batch=4, microbatches=4, **kw)
+    with pytest.raises(ValueError, match="microbatches"):
+        plan_memory(cfg, dims=(2, 1, 2, 1), batch=6, microbatches=4, **kw)
+    with pytest.raises(ValueError, match="1F1B"):
+        plan_memory(cfg, dims=(4, 1, 1, 1), batch=2, microbatches=2, **kw)
+
+
 def test_plan_refuses_beside_a_process_group_and_checks_its_inputs() -> None:
     with pytest.raises(ValueError, match="seq_len"):
         plan_memory(_config("kimi"), dims=(1, 2, 2), seq_len=63, dtype=torch.float32)
@@ -296,10 +462,14 @@ def test_cli_ranks_every_valid_mesh(tmp_path: Any, capsys: pytest.CaptureFixture
             "off",
             "--top",
             "100",
+            "--max-microbatches",
+            "2",
         ]
     )
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "|" in line[2:]]
-    ranked = [r for r in rows if r.split("|")[1].strip().isdigit()]
-    assert len(ranked) == len(meshes(cfg, 4, 64))
+    ranked = [r for r in rows if r.split("|")[1].strip().isdigit() and r.count("|") > 15]
+    # pp = 1: every mesh; pp = 2 (the 3 layers fill 2 stages): 1F1B with 2 micro-batches
+    assert len(ranked) == len(meshes(cfg, 4, 64)) + len(meshes(cfg, 2, 64))
     assert "fsdp.all_gather" in out
+    assert sum("1F1B, 2 |" in r for r in ranked) == len(meshes(cfg, 2, 64))

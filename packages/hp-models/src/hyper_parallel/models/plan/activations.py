@@ -93,6 +93,7 @@ __all__ = [
     "layer_bytes",
     "layer_shape",
     "mixer_bytes",
+    "stage_activation_bytes",
 ]
 
 ATTN_IMPLEMENTATIONS = ("flash", "sdpa", "eager", "sdpa-math")  # sdpa: its fused kernels
@@ -420,6 +421,18 @@ class Activations:
     by_layer: list[tuple[LayerShape, int, int]]
 
 
+def _checked(attn_implementation: str, kda_kernel: str, seq: int, p: int) -> None:
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got "
+            f"{attn_implementation!r}"
+        )
+    if kda_kernel not in KDA_KERNELS:
+        raise ValueError(f"kda_kernel must be one of {KDA_KERNELS}, got {kda_kernel!r}")
+    if seq % p:
+        raise ValueError(f"seq_len {seq} is not divisible by cp·tp = {p}")
+
+
 def activation_bytes(
     shapes: list[tuple[LayerShape, int]],
     config: Any,
@@ -436,40 +449,70 @@ def activation_bytes(
 ) -> Activations:
     """One rank's :class:`Activations` for the layer kinds ``shapes`` (each with its count),
     ``rows`` rows of ``seq`` tokens over ``p = cp·tp`` ranks (module docstring)."""
-    if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got "
-            f"{attn_implementation!r}"
-        )
-    if kda_kernel not in KDA_KERNELS:
-        raise ValueError(f"kda_kernel must be one of {KDA_KERNELS}, got {kda_kernel!r}")
-    if seq % p:
-        raise ValueError(f"seq_len {seq} is not divisible by cp·tp = {p}")
-    b = dtype.itemsize
+    _checked(attn_implementation, kda_kernel, seq, p)
+    kw: dict[str, Any] = dict(
+        rows=rows, seq=seq, p=p, b=dtype.itemsize, attn_implementation=attn_implementation,
+        kda_kernel=kda_kernel,
+    )  # fmt: skip
+    if order is None:  # no order known: each kind's layers last (the most kept below them)
+        extras = [_mixer(s, **kw)[1] for s, _ in shapes]
+        order = [i for i in sorted(range(len(shapes)), key=extras.__getitem__) for _ in
+                 range(shapes[i][1])]  # fmt: skip
+    return stage_activation_bytes(
+        shapes, config, order, first=True, last=True, ep=ep, checkpointing=checkpointing, **kw
+    )
+
+
+def stage_activation_bytes(
+    shapes: list[tuple[LayerShape, int]],
+    config: Any,
+    order: Sequence[int],
+    *,
+    first: bool,
+    last: bool,
+    rows: int,
+    seq: int,
+    p: int,
+    ep: int,
+    b: int,
+    attn_implementation: str,
+    kda_kernel: str,
+    checkpointing: bool,
+) -> Activations:
+    """One forward + backward of ``rows`` rows through the decoder layers of kinds ``order``
+    (indices into ``shapes``, in model order) alone: the whole model where ``first`` and
+    ``last``, else one pipeline stage. The first stage keeps the embedding's output, the last
+    the final norm, the logits and the loss, and its backward starts with the logits'
+    gradient; another stage's input and incoming gradient live in the pipeline's receive
+    buffers (counted by the planner beside the activations), so it keeps neither.
+    ``by_layer``: each kind's bytes a layer and how many of the stage's layers are of it."""
+    _checked(attn_implementation, kda_kernel, seq, p)
     d, v = int(config.hidden_size), int(config.vocab_size)
     n = rows * seq // p
     kw: dict[str, Any] = dict(
         rows=rows, seq=seq, p=p, b=b, attn_implementation=attn_implementation,
         kda_kernel=kda_kernel,
     )  # fmt: skip
-    per = [(s, layer_bytes(s, ep=ep, **kw), c) for s, c in shapes]
+    counts = [0] * len(shapes)
+    for i in order:
+        counts[i] += 1
+    per = [(s, layer_bytes(s, ep=ep, **kw), c) for (s, _), c in zip(shapes, counts, strict=True)]
     mixers = [_mixer(s, **kw) for s, _ in shapes]  # (kept, extra) of each kind's block
-    extras = [e for _, e in mixers]
-    if order is None:  # no order known: each kind's layers last (the most kept below them)
-        order = [i for i in sorted(range(len(shapes)), key=extras.__getitem__) for _ in
-                 range(shapes[i][1])]  # fmt: skip
     c_up = 4 if b < 4 else 0
-    emb = n * d * b  # the embedding's output (the first norm's input)
-    logits = n * v * (b + 8 + c_up)  # and their float32 log-softmax and loss
-    head = emb + _norm_bytes(n, d, b) + logits
-    transient = n * v * (4 + b)
+    emb = n * d * b if first else 0  # the embedding's output (the first norm's input)
+    head = emb
+    transient = 0
+    if last:  # the final norm, the logits and their float32 log-softmax and loss
+        head += _norm_bytes(n, d, b) + n * v * (b + 8 + c_up)
+        transient = n * v * (4 + b)  # the logits' gradient
+    used = [i for i, c in enumerate(counts) if c]
     if checkpointing:
-        saved = head + sum(c for _, _, c in per) * n * d * b
+        saved = head + len(order) * n * d * b
         # a layer's recompute, and its backward: its gradients beside a quarter of it
         # (measured), or, once the MLP's backward has freed its part, the attention (or
         # delta-rule) block's own extra beside that block (the math's T×T, the chunk kernel's)
         recompute = max(
-            max(5 * x // 4, mixers[i][0] + extras[i]) for i, (_, x, _) in enumerate(per)
+            (max(5 * per[i][1] // 4, mixers[i][0] + mixers[i][1]) for i in used), default=0
         )
         peak = saved + max(recompute, transient)
     else:
@@ -479,7 +522,7 @@ def activation_bytes(
         # and the head are freed by then)
         below, bwd = emb, 0
         for i in order:  # at its block's backward the layer's MLP part is freed
-            bwd = max(bwd, below + mixers[i][0] + extras[i])
+            bwd = max(bwd, below + mixers[i][0] + mixers[i][1])
             below += per[i][1]
         peak = max(saved + transient, bwd)
     return Activations(peak, saved, per)

@@ -5,9 +5,9 @@
   it is freed), gradients of parameters and FSDP2's parameter buffers set aside: the
   activations and temporaries of one forward + backward.
 - :func:`count_collectives`: the bytes this rank moves over its link per collective, from
-  hp-dtensor's recorder (every layer's collectives, by name) and from FSDP2's own
-  all-gathers, reduce-scatters and all-reduces (wrapped for the block), each counted by
-  ``comm.link_bytes``.
+  hp-dtensor's recorder (every layer's collectives, by name), from FSDP2's own
+  all-gathers, reduce-scatters and all-reduces and from torch's pipeline stages' sends
+  (``p2p:pipeline``; wrapped for the block), each counted by ``comm.link_bytes``.
 """
 
 from __future__ import annotations
@@ -169,11 +169,28 @@ def _wrap(
     return wrapped
 
 
+def _wrap_sends(fn: Callable[..., Any], out: dict) -> Any:
+    """A torch pipeline stage's ``get_fwd_send_ops`` / ``get_bwd_send_ops`` (each called once
+    for every send it then launches): the bytes of its sends, as ``p2p:pipeline``."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        ops = fn(*args, **kwargs)
+        for op in ops:
+            if getattr(op.op, "__name__", "") == "isend":
+                nbytes = op.tensor.numel() * op.tensor.element_size()
+                out["p2p:pipeline"] = out.get("p2p:pipeline", 0) + nbytes
+        return ops
+
+    return wrapped
+
+
 @contextlib.contextmanager
 def count_collectives(trace: ActivationTrace | None = None) -> Iterator[dict[str, int]]:
     """``{collective name: bytes over this rank's link}`` for the block: hp-dtensor's
-    recorder's launches by name (a layer's ``a2a:q``, ``all_gather:latent``, ...) and FSDP2's
-    collectives (``fsdp.all_gather``, ``fsdp.reduce_scatter``, ``fsdp.all_reduce``).
+    recorder's launches by name (a layer's ``a2a:q``, ``all_gather:latent``, ...), FSDP2's
+    collectives (``fsdp.all_gather``, ``fsdp.reduce_scatter``, ``fsdp.all_reduce``) and the
+    hidden states and gradients torch's pipeline stages send (``p2p:pipeline``).
     ``trace``: an activation trace running in the block, told to leave out FSDP2's
     all-gathered parameters and reduce-scattered gradients."""
     from hyper_parallel.dtensor.recorder import record_events
@@ -182,12 +199,23 @@ def count_collectives(trace: ActivationTrace | None = None) -> Iterator[dict[str
     saved = {name: getattr(dist, name) for name in _FSDP_OPS if hasattr(dist, name)}
     for name, fn in saved.items():
         setattr(dist, name, _wrap(fn, *_FSDP_OPS[name], counts, trace))
+    stage_cls: Any = None
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase as stage_cls
+    except ImportError:  # a torch without pipelining
+        pass
+    names = ("get_fwd_send_ops", "get_bwd_send_ops")
+    sends: dict[str, Any] = {n: getattr(stage_cls, n) for n in names if hasattr(stage_cls, n)}
+    for n, fn in sends.items():
+        setattr(stage_cls, n, _wrap_sends(fn, counts))
     try:
         with record_events() as rec:
             yield counts
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+        for n, fn in sends.items():
+            setattr(stage_cls, n, fn)
     for e in rec.events:
         if e.kind == "launch" and e.nbytes:
             counts[e.name] = counts.get(e.name, 0) + e.nbytes

@@ -9,6 +9,11 @@ group stands in for ``dp·cp·tp`` ranks: its collectives move nothing (an all-g
 this rank's own input), so hp-dtensor's consistency checks, which would compare this rank with
 itself, are off around the call.
 
+Each piece is counted apart (:class:`Parts`: one layer of each kind, the embeddings, the final
+norm and LM head), so that any pipeline stage is a sum of pieces (:func:`compose`): a decoder
+layer places alike whichever other layers the model holds, and the root unit's parameters are
+each sharded on their own.
+
 Counted per rank (FSDP2 stores every shard padded to the first chunk's size, so every rank of
 a unit holds the same bytes: ``FSDPParam.padded_sharded_param_size``):
 
@@ -21,8 +26,9 @@ a unit holds the same bytes: ``FSDPParam.padded_sharded_param_size``):
   parameter; SGD without momentum creates none;
 - FSDP2's collectives per step, as bytes over this rank's link (hp-dtensor's
   ``comm.link_bytes``): each unit's all-gather (forward, and again in backward unless it is the
-  root, which FSDP2 keeps unsharded after forward), its gradient reduce-scatter, and HSDP's
-  all-reduce over the replicas.
+  root, which FSDP2 keeps unsharded after forward; a pipeline stage's units, with
+  ``reshard_after_forward=False``, once), its gradient reduce-scatter, and HSDP's all-reduce
+  over the replicas (where a unit has them).
 """
 
 from __future__ import annotations
@@ -37,10 +43,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Placement", "layer_kinds", "place_on_fake_world"]
+__all__ = [
+    "Parts",
+    "Placement",
+    "compose",
+    "layer_kinds",
+    "place_on_fake_world",
+    "place_parts",
+]
 
 OPTIMIZERS = ("adamw", "sgd")
 STEP_BYTES = 4  # AdamW's float32 `step` tensor, one per parameter
+ROOT_PARTS = ("embed", "head", "other")
 
 
 @dataclass
@@ -124,15 +138,30 @@ def _local(p: Any) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _count(model: nn.Module, optimizer: str, layer_paths: list[str]) -> tuple[Placement, dict]:
-    """The whole (cut) model's placement, and each kept layer's share of it by path."""
+def _root_part(name: str) -> str:
+    """Which root part a parameter outside the decoder layers belongs to: the embeddings (the
+    first pipeline stage's), the final norm and the LM head (the last's), or anything else."""
+    if ".embed_tokens." in f".{name}":
+        return "embed"
+    if name.startswith(("model.norm.", "norm.", "lm_head.")):
+        return "head"
+    return "other"
+
+
+def _count(
+    model: nn.Module, optimizer: str, layer_paths: list[str]
+) -> tuple[dict[str, Placement], dict[str, Placement]]:
+    """The root's parameters by part (:func:`_root_part`) and each kept layer's share of the
+    (cut) model by path. Each unit's FSDP2 collectives are counted once (one all-gather); the
+    caller multiplies them by how often a step runs them."""
     from torch.distributed.fsdp import FSDPModule
 
-    total = Placement()
+    parts: dict[str, Placement] = {k: Placement() for k in ROOT_PARTS}
     per_layer: dict[str, Placement] = {p: Placement() for p in layer_paths}
     owner_of: dict[int, Placement] = {}
     for name, p in model.named_parameters():
-        dest = next((per_layer[lp] for lp in layer_paths if name.startswith(lp + ".")), total)
+        dest = next((per_layer[lp] for lp in layer_paths if name.startswith(lp + ".")), None)
+        dest = parts[_root_part(name)] if dest is None else dest
         owner_of[id(p)] = dest
         local = _local(p)
         dest.param_count += p.numel()
@@ -150,7 +179,7 @@ def _count(model: nn.Module, optimizer: str, layer_paths: list[str]) -> tuple[Pl
         shard = int(info.shard_mesh_size)
         replicate = int(getattr(info, "replicate_mesh_size", 1) or 1)
         unit_dest = next(
-            (per_layer[lp] for lp in layer_paths if (mod_name + ".").startswith(lp + ".")), total
+            (per_layer[lp] for lp in layer_paths if (mod_name + ".").startswith(lp + ".")), None
         )
         unsharded = 0
         for fp in group.fsdp_params:
@@ -162,18 +191,26 @@ def _count(model: nn.Module, optimizer: str, layer_paths: list[str]) -> tuple[Pl
             dest.parameters += nbytes
             dest.gradients += nbytes
             unsharded += nbytes * shard
-        # the root (the model's own unit) stays unsharded between forward and backward
-        gathers = 1 if mod_name == "" else 2
-        _add(unit_dest, "fsdp.all_gather", gathers * _link("all_gather", unsharded, shard))
-        _add(unit_dest, "fsdp.reduce_scatter", _link("reduce_scatter", unsharded, shard))
-        _add(unit_dest, "fsdp.all_reduce", _link("all_reduce", unsharded // shard, replicate))
-        unit_dest.gathered_layer += unsharded
+            if unit_dest is None:  # the root's unit: each part's padded shards (exact: a
+                # padded shard times the shard count is the gathered bytes)
+                _add_unit(dest, nbytes * shard, shard, replicate)
+        if unit_dest is not None:
+            _add_unit(unit_dest, unsharded, shard, replicate)
     for _, p in model.named_parameters():
         if id(p) not in managed:  # whole (or tp/ep-sharded) on every rank, as allocated
             local = _local(p)
             owner_of[id(p)].parameters += local.numel() * local.element_size()
             owner_of[id(p)].gradients += local.numel() * local.element_size()
-    return total, per_layer
+    return parts, per_layer
+
+
+def _add_unit(dest: Placement, unsharded: int, shard: int, replicate: int) -> None:
+    """One FSDP2 unit's (or a root part's) collectives, an all-gather counted once, and its
+    gathered bytes."""
+    _add(dest, "fsdp.all_gather", _link("all_gather", unsharded, shard))
+    _add(dest, "fsdp.reduce_scatter", _link("reduce_scatter", unsharded, shard))
+    _add(dest, "fsdp.all_reduce", _link("all_reduce", unsharded // shard, replicate))
+    dest.gathered_layer += unsharded
 
 
 def _add(pl: Placement, key: str, nbytes: int) -> None:
@@ -197,13 +234,14 @@ def build_on_meta(config: Any, dtype: torch.dtype) -> nn.Module:
     return model.to(dtype)
 
 
-_TEMPLATES: dict[tuple[int, torch.dtype], tuple[Any, nn.Module, list, list, list[int]]] = {}
-_PLACED: dict[tuple[Any, ...], Placement] = {}
+_TEMPLATES: dict[tuple[int, torch.dtype], tuple[Any, nn.Module, list, list, list[int], Any]] = {}
+_PLACED: dict[tuple[Any, ...], Any] = {}
 
 
 def _template(config: Any, dtype: torch.dtype) -> tuple[nn.Module, list, list]:
     """The meta model of ``config`` cut to one layer of each kind, the kinds and their
     shapes; built once per config object and dtype (each placement places a copy)."""
+    from hyper_parallel.models.pipeline.split import layer_costs
     from hyper_parallel.models.plan.activations import layer_shape
 
     key = (id(config), dtype)
@@ -214,11 +252,12 @@ def _template(config: Any, dtype: torch.dtype) -> tuple[nn.Module, list, list]:
         layers: Any = base.get_submodule("layers")
         kinds = layer_kinds(base)
         order = layer_order(base)
+        costs = layer_costs(model)  # the pipeline's split, from the whole model
         shapes = [(layer_shape(layers[i], config), count) for i, count in kinds]
         base.layers = nn.ModuleList([layers[i] for i, _ in kinds])
         _TEMPLATES.clear()  # one model at a time: a real-size meta model is cheap, not free
         _PLACED.clear()
-        hit = _TEMPLATES[key] = (config, model, kinds, shapes, order)
+        hit = _TEMPLATES[key] = (config, model, kinds, shapes, order, costs)
     return hit[1], hit[2], hit[3]
 
 
@@ -227,6 +266,98 @@ def kinds_in_order(config: Any, dtype: torch.dtype) -> list[int]:
     returns), in model order."""
     _template(config, dtype)
     return list(_TEMPLATES[(id(config), dtype)][4])
+
+
+def costs_of(config: Any, dtype: torch.dtype) -> tuple[list[float], float]:
+    """:func:`hyper_parallel.models.pipeline.split.layer_costs` of the whole model of
+    ``config``: each decoder layer's cost and the LM head's, what ``pipeline_model`` splits
+    the layers by."""
+    _template(config, dtype)
+    costs, head = _TEMPLATES[(id(config), dtype)][5]
+    return list(costs), float(head)
+
+
+@dataclass
+class Parts:
+    """One rank's :class:`Placement` of each piece of the model, each FSDP2 unit's all-gather
+    counted once: ``kinds[i]`` one decoder layer of kind ``i`` (``gathered_layer``: its units'
+    gathered bytes), ``embed`` the embeddings, ``head`` the final norm and the LM head,
+    ``other`` anything else outside the decoder layers (each root part's ``gathered_layer``:
+    its share of the root unit's gathered bytes)."""
+
+    kinds: list[Placement]
+    embed: Placement
+    head: Placement
+    other: Placement
+
+
+def place_parts(
+    config: Any,
+    dims: tuple[int, int, int],
+    *,
+    ep: int,
+    dtype: torch.dtype,
+    optimizer: str,
+    grad_reduction: str,
+) -> tuple[Parts, list[tuple[Any, int]]]:
+    """The :class:`Parts` of the busiest rank under ``parallelize_model(model, mesh(dims),
+    ep=ep, grad_reduction=grad_reduction)`` on a fake ``dp·cp·tp``-rank world (rank 0: with
+    FSDP2's padded shards every rank of a unit holds the same bytes), and each layer kind's
+    :class:`~hyper_parallel.models.plan.activations.LayerShape` with its count. A decoder
+    layer places alike whichever other layers the model holds, so these parts also make up
+    any pipeline stage (its layers; the embeddings on the first, the norm and head on the
+    last)."""
+    from hyper_parallel.dtensor import consistency_checks
+    from hyper_parallel.models import parallelize_model
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    template, kinds, shapes = _template(config, dtype)
+    key = (id(config), dims, ep, dtype, optimizer, grad_reduction)
+    if key in _PLACED:  # the same mesh planned again (e.g. with activation checkpointing)
+        return _PLACED[key], shapes
+    model = copy.deepcopy(template)
+    world = dims[0] * dims[1] * dims[2]
+    with fake_world(world), consistency_checks(False):
+        parallelize_model(model, _mesh(dims), ep=ep, grad_reduction=grad_reduction)
+        paths = [f"model.layers.{j}" for j in range(len(kinds))]
+        root, per_layer = _count(model, optimizer, paths)
+    parts = Parts([per_layer[p] for p in paths], root["embed"], root["head"], root["other"])
+    _PLACED[key] = parts  # shared: read, never changed
+    return parts, shapes
+
+
+def compose(
+    parts: Parts,
+    layer_kinds_: list[int],
+    *,
+    embed: bool,
+    head: bool,
+    layer_gathers: int,
+) -> tuple[Placement, int]:
+    """``(placement, gathered bytes)`` of a model or pipeline stage holding the decoder layers
+    of kinds ``layer_kinds_`` (one entry a layer), with the embeddings and the norm and head
+    where asked (and the root's other parameters whenever ``embed``), each layer's units
+    all-gathered ``layer_gathers`` times a step and the root's once; ``gathered_layer``: the
+    largest layer's gathered bytes, the gathered bytes: every unit's together."""
+    total = Placement()
+    gathered = 0
+    roots = ([parts.embed, parts.other] if embed else []) + ([parts.head] if head else [])
+    for part in roots:
+        total.add(part, 1)
+        gathered += part.gathered_layer
+    total.gathered_layer = 0
+    counts: dict[int, int] = {}
+    for kind in layer_kinds_:
+        counts[kind] = counts.get(kind, 0) + 1
+    for kind, count in counts.items():
+        layer = parts.kinds[kind]
+        total.add(layer, count)
+        gathered += count * layer.gathered_layer
+        gather = layer.collectives.get("fsdp.all_gather", 0)
+        if gather and layer_gathers != 1:
+            total.collectives["fsdp.all_gather"] += (layer_gathers - 1) * count * gather
+    return total, gathered
 
 
 def place_on_fake_world(
@@ -238,27 +369,13 @@ def place_on_fake_world(
     optimizer: str,
     grad_reduction: str,
 ) -> tuple[Placement, list[tuple[Any, int]]]:
-    """The busiest rank's :class:`Placement` under ``parallelize_model(model, mesh(dims),
-    ep=ep, grad_reduction=grad_reduction)`` on a fake ``dp·cp·tp``-rank world (rank 0: with
-    FSDP2's padded shards every rank of a unit holds the same bytes), and each layer kind's
-    :class:`~hyper_parallel.models.plan.activations.LayerShape` with its count."""
-    from hyper_parallel.dtensor import consistency_checks
-    from hyper_parallel.models import parallelize_model
-
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    template, kinds, shapes = _template(config, dtype)
-    key = (id(config), dims, ep, dtype, optimizer, grad_reduction)
-    if key in _PLACED:  # the same mesh planned again (e.g. with activation checkpointing)
-        return copy.deepcopy(_PLACED[key]), shapes
-    model = copy.deepcopy(template)
-    world = dims[0] * dims[1] * dims[2]
-    with fake_world(world), consistency_checks(False):
-        parallelize_model(model, _mesh(dims), ep=ep, grad_reduction=grad_reduction)
-        paths = [f"model.layers.{j}" for j in range(len(kinds))]
-        total, per_layer = _count(model, optimizer, paths)
-    total.gathered_layer = 0  # the root's unit: embeddings, final norm, head
-    for path, (_, count) in zip(paths, kinds, strict=True):
-        total.add(per_layer[path], count)
-    _PLACED[key] = copy.deepcopy(total)
+    """The busiest rank's :class:`Placement` of the whole model (:func:`place_parts`): every
+    layer's units all-gathered twice a step (forward, and again in backward), the root's once
+    (FSDP2 keeps the root unsharded after forward); ``gathered_layer``: the largest layer's
+    gathered bytes."""
+    parts, shapes = place_parts(
+        config, dims, ep=ep, dtype=dtype, optimizer=optimizer, grad_reduction=grad_reduction
+    )
+    order = kinds_in_order(config, dtype)
+    total, _ = compose(parts, order, embed=True, head=True, layer_gathers=2)
     return total, shapes

@@ -78,10 +78,12 @@ def layer_collectives(
     device_type: str,
     kda_protocol: str = "auto",
     checkpointing: bool = False,
+    loss: bool = True,
 ) -> dict[str, int]:
     """``{recorder name: bytes}`` one rank moves per step through the layers' collectives
     (the module docstring's table), for the layer kinds ``shapes`` with their counts on a
-    ``(dp, cp, tp)`` mesh; ``rows = batch/dp``."""
+    ``(dp, cp, tp)`` mesh; ``rows = batch/dp``; ``loss``: with the loss's two all-reduces (a
+    pipeline stage's layers go without: the planner counts its loss)."""
     dp, cp, tp = dims
     p = cp * tp
     n = rows * seq // p
@@ -154,9 +156,10 @@ def layer_collectives(
             for name in ("moe:dispatch", "moe:combine"):
                 add(name, rows_out, fwd * count)
                 add(f"{name}:grad", rows_out, count)
-    world = dp * p
-    add("all_reduce:loss", _link("all_reduce", 4, world))
-    add("all_reduce:loss_tokens", _link("all_reduce", (1 + dp * _SLOTS_PER_GROUP) * 8, world))
+    if loss:
+        world = dp * p
+        add("all_reduce:loss", _link("all_reduce", 4, world))
+        add("all_reduce:loss_tokens", _link("all_reduce", (1 + dp * _SLOTS_PER_GROUP) * 8, world))
     return out
 
 
