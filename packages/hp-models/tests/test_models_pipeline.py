@@ -19,10 +19,12 @@ import torch.distributed as dist
 from _models_testutil import full64, shifted_loss
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
-from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.dtensor.testing import POOL_ENV, run_distributed
 from hyper_parallel.models import (
     IGNORE_INDEX,
     clip_grad_norm_,
+    from_pretrained,
+    load_report,
     pipeline_model,
     sync_gradients,
 )
@@ -32,7 +34,7 @@ from hyper_parallel.models.pipeline.schedules import (
     same_rank_hand_off,
 )
 from hyper_parallel.models.pipeline.split import balanced_split, check_layer_split
-from hyper_parallel.models.testing import random_batch, tiny_model
+from hyper_parallel.models.testing import import_transformers, random_batch, tiny_model
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}  # Kimi-Linear's KDA and every loss compute in float32
 SEQ = 16
@@ -213,12 +215,20 @@ def _run(dims: tuple[int, ...], names: tuple[str, ...], cases: list, folder: str
     return res
 
 
-def _resume(folder: str) -> dict:
+def _resume(folder: str, hf_in: str, hf_out: str) -> dict:
     """The pp = 2 checkpoint loaded into a pp = 4 pipeline: the weights and the next step's
-    loss equal the serial model's after the same two steps."""
+    loss equal the serial model's after the same two steps; saved from the pipeline as a
+    Hugging Face folder (``hf_out``); a stock folder (``hf_in``) loaded straight into a pp = 4
+    pipeline, each rank reading its own stage."""
     import torch.distributed.checkpoint as dcp
 
     mesh = _mesh((4, 1, 1), ("pp", "cp", "tp"))
+    loaded = from_pretrained(hf_in, mesh, microbatches=4, dtype=torch.float64)
+    stock = tiny_model("kimi", seed=0)
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(full64(p), stock.get_parameter(name).detach(), rtol=0, atol=0)
+    report = load_report(loaded)
+    del loaded
     serial = tiny_model("kimi", seed=0)
     ref_opt = torch.optim.SGD(serial.parameters(), lr=0.5)
     for seed in (1, 2):  # the two steps the pp = 2 pipeline took before it was saved
@@ -231,10 +241,17 @@ def _resume(folder: str) -> dict:
     pm.load_state_dict(state)
     for name, p in pm.named_parameters():
         torch.testing.assert_close(full64(p), serial.get_parameter(name).detach(), **TOL)
+    pm.save_pretrained(hf_out)  # every stage, every rank writes its share
     batch = _batch(8, seed=3)
     loss = pm.step(**batch)
     torch.testing.assert_close(loss.double(), serial(**batch).loss.detach().double(), **TOL)
-    return {"stages": pm.stages, "loss": loss.item(), "rank": dist.get_rank()}
+    return {
+        "stages": pm.stages,
+        "loss": loss.item(),
+        "rank": dist.get_rank(),
+        "read": report.bytes_read,
+        "folder": report.folder_bytes,
+    }
 
 
 ERRORS = {
@@ -269,7 +286,7 @@ def _check_split(results: list[dict], cases: list) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_pipeline_trains_like_serial_and_resumes_at_another_pp(tmp_path) -> None:
+def test_pipeline_trains_like_serial_and_resumes_at_another_pp(tmp_path, monkeypatch) -> None:
     folder = str(tmp_path / "dcp")
     results = run_distributed(_run, 4, (2, 2, 1), ("pp", "cp", "tp"), PP_CP_CASES, "", timeout=420)
     for rep in results:
@@ -289,9 +306,29 @@ def test_pipeline_trains_like_serial_and_resumes_at_another_pp(tmp_path) -> None
     v = {r["coord"][0]: r["kimi-0"]["stages"] for r in results}
     assert v == ({0: [0, 3], 1: [1, 2]} if same_rank_hand_off() else {0: [0, 2], 1: [1, 3]}), v
     assert os.path.isdir(folder)
-    resumed = run_distributed(_resume, 4, folder, timeout=300)
+    hf_in, hf_out = str(tmp_path / "hf-in"), str(tmp_path / "hf-out")
+    tiny_model("kimi", seed=0).save_pretrained(hf_in)  # a stock folder
+    # a resume is a new job: fresh processes, not the test pool's (whose earlier worlds'
+    # single-rank groups a new world's meshes must not meet)
+    monkeypatch.setenv(POOL_ENV, "0")
+    resumed = run_distributed(_resume, 4, folder, hf_in, hf_out, timeout=300)
     assert sorted(r["stages"][0] for r in resumed) == [0, 1, 2, 3]
     assert len({r["loss"] for r in resumed}) == 1
+    # each rank read its own stage's tensors only: every byte of the folder read exactly once
+    assert sum(r["read"] for r in resumed) == resumed[0]["folder"], resumed
+    assert all(0 < r["read"] < r["folder"] / 2 for r in resumed), resumed
+    # the pipeline's folder is the stock one of the weights after two steps
+    serial = tiny_model("kimi", seed=0)
+    opt = torch.optim.SGD(serial.parameters(), lr=0.5)
+    for seed in (1, 2):
+        serial(**_batch(8, seed=seed)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    plain = import_transformers().AutoModelForCausalLM.from_pretrained(
+        hf_out, dtype=torch.float64, experts_implementation="eager"
+    )
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(p.detach(), serial.get_parameter(name).detach(), **TOL)
 
 
 def test_schedule_rules_and_the_split_are_checked_without_processes(monkeypatch) -> None:

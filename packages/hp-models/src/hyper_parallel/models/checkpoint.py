@@ -41,7 +41,7 @@ from hyper_parallel.models.hub import model_tensors
 from hyper_parallel.models.regions import Box, gather_over, mesh_device
 from hyper_parallel.models.state import OWNER, plan_of
 
-__all__ = ["save_pretrained", "save_pretrained_member"]
+__all__ = ["save_pipeline", "save_pretrained", "save_pretrained_member"]
 
 _UNSUPPORTED = ("state_dict", "distributed_checkpoint", "push_to_hub", "variant")
 
@@ -144,16 +144,32 @@ def _files(tensors: dict[str, Tensor], limit: int | None) -> list[list[str]]:
 def _write(model: nn.Module, plan: Any, folder: str, limit: int | None) -> str | None:
     """Steps 1–3: every rank takes part in every collective whatever fails locally; returns
     this rank's error, if any (the caller all-reduces the outcome)."""
-    from safetensors.torch import save_file
-
     ranks = [int(r) for r in plan.mesh.batch.mesh.flatten().tolist()]
     me = int(torch.distributed.get_rank())
     mine = _share(model, plan, ranks, me)
-    files = _files(mine, limit)
-    counts = _gather_json(len(files), plan.mesh.batch)
+    return _write_files(mine, model, plan.mesh.batch, folder, limit)
+
+
+def _write_files(
+    mine: dict[str, Tensor],
+    model: nn.Module,
+    job: Any,
+    folder: str,
+    limit: int | None,
+    error: str | None = None,
+) -> str | None:
+    """Step 3 over the 1-D mesh ``job`` (every rank writing a share): this rank's hub tensors
+    ``mine`` to its files, the key lists exchanged, the index and config written by ``job``'s
+    first rank; returns this rank's error, if any. A rank that already failed (``error``)
+    writes nothing but takes part in every exchange, so that every rank learns of it."""
+    from safetensors.torch import save_file
+
+    ranks = [int(r) for r in job.mesh.flatten().tolist()]
+    me = int(torch.distributed.get_rank())
+    files = _files(mine, limit) if error is None else []
+    counts = _gather_json(len(files), job)
     total, first = sum(counts), sum(counts[: ranks.index(me)])
     weight_map: dict[str, str] = {}
-    error: str | None = None
     try:
         os.makedirs(folder, exist_ok=True)
         for i, keys in enumerate(files):
@@ -165,7 +181,7 @@ def _write(model: nn.Module, plan: Any, folder: str, limit: int | None) -> str |
         error = f"{type(exc).__name__}: {exc}"
     nbytes = sum(t.numel() * t.element_size() for t in mine.values())
     del mine
-    parts = _gather_json({"map": weight_map, "bytes": nbytes, "error": error}, plan.mesh.batch)
+    parts = _gather_json({"map": weight_map, "bytes": nbytes, "error": error}, job)
     errors = [f"rank {r}: {p['error']}" for r, p in zip(ranks, parts) if p["error"]]
     if errors:
         return error or "; ".join(errors)
@@ -228,9 +244,53 @@ def save_pretrained(
             failure = RuntimeError(f"save_pretrained({save_directory!r}) failed: {why}")
     except Exception as exc:  # the first rank's index or config: every rank must learn of it
         failure = exc
+    _agree(failure, plan.mesh.batch, save_directory)
+
+
+def save_pipeline(parts: list[nn.Module], job: Any, save_directory: Any, **kwargs: Any) -> None:
+    """:func:`save_pretrained` of a pipeline: ``parts`` are this rank's stages (each a model
+    parallelised by ``parallelize_model``) and ``job`` the 1-D mesh of every rank of the
+    pipeline. Each stage's tensors are gathered over its own ranks and shared out among them
+    (steps 1–2), then every rank of the job writes its files and the job's first rank the
+    index and config: one folder, no rank holding a stage, let alone the model. The same
+    options and errors as :func:`save_pretrained`."""
+    for key in _UNSUPPORTED:
+        if kwargs.get(key) not in (None, False):
+            raise ValueError(
+                f"save_pretrained({key}=...) is not supported on a parallelised model: every "
+                "rank writes its share of the model's own weights to one plain folder; for "
+                "sharded checkpoints use torch.distributed.checkpoint (hp-models README)"
+            )
+    if kwargs.get("safe_serialization", True) is False:
+        raise ValueError(
+            "save_pretrained(safe_serialization=False) is not supported: it writes safetensors"
+        )
+    limit = _shard_limit(kwargs.get("max_shard_size"))
+    me = int(torch.distributed.get_rank())
+    failure: BaseException | None = None
+    mine: dict[str, Tensor] = {}
+    error: str | None = None
+    try:
+        for part in parts:  # in stage order: the same on every rank of one pp coordinate
+            plan = plan_of(part, "save_pretrained")
+            ranks = [int(r) for r in plan.mesh.batch.mesh.flatten().tolist()]
+            mine.update(_share(part, plan, ranks, me))
+    except Exception as exc:  # told to every rank through the exchanges of step 3
+        error = f"{type(exc).__name__}: {exc}"
+    try:
+        why = _write_files(mine, parts[0], job, os.fspath(save_directory), limit, error)
+        if why is not None:
+            failure = RuntimeError(f"save_pretrained({save_directory!r}) failed: {why}")
+    except Exception as exc:
+        failure = exc
+    _agree(failure, job, save_directory)
+
+
+def _agree(failure: BaseException | None, job: Any, save_directory: Any) -> None:
+    """Step 4: every rank of ``job`` returns, or every rank raises, together."""
     flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-    flag = flag.to(mesh_device(plan.mesh.batch))
-    g = comm.resolve_group(plan.mesh.batch, "save_pretrained")
+    flag = flag.to(mesh_device(job))
+    g = comm.resolve_group(job, "save_pretrained")
     comm.start_all_reduce(flag, g, "all_reduce:save_failed", "save", OWNER).wait()
     if failure is not None:
         raise failure

@@ -56,7 +56,7 @@ class LoadReport:
     seconds: float
 
 
-def load_report(model: nn.Module) -> LoadReport | None:
+def load_report(model: Any) -> LoadReport | None:
     """The :class:`LoadReport` of a model made by :func:`from_pretrained` (``None`` else)."""
     return getattr(model, _REPORT, None)
 
@@ -171,7 +171,7 @@ def from_pretrained(
     attn_implementation: str | None = None,
     experts_implementation: str | None = None,
     **kwargs: Any,
-) -> nn.Module:
+) -> Any:
     """Load the Hugging Face folder ``path`` into a model parallelised over ``mesh``, every rank
     reading only its own slices (see the module docstring). Call on every rank with the same
     arguments.
@@ -188,6 +188,12 @@ def from_pretrained(
 
     The parameters land on the mesh's device (the current one of its type). Returns the
     parallelised ``*ForCausalLM``; :func:`load_report` tells what this rank read.
+
+    A pipeline: a mesh with a ``"pp"`` dim (or ``microbatches=`` given) goes to
+    :func:`~hyper_parallel.models.pipeline_model` instead (``microbatches``, ``schedule``,
+    ``stages_per_rank``, ``layer_split`` with the rest), which returns this rank's
+    :class:`~hyper_parallel.models.PipelinedModel`: each rank allocates and reads the tensors of
+    its own stages only.
 
     Raised on every rank alike, before any communication: ``ValueError`` for a folder that is
     not a Hugging Face model, or whose tensors are missing or of another shape than the config
@@ -206,9 +212,20 @@ def from_pretrained(
         },
     )
     _check_folder(folder, fam, model)
-    parallelize_model(model, mesh, ep=ep, **kwargs)
-    _materialise(model, mesh_device(mesh))
-    _fill(folder, fam, model)
+    pipelined = "microbatches" in kwargs or "pp" in (getattr(mesh, "mesh_dim_names", None) or ())
+    if pipelined:  # each rank builds and reads its own stages only
+        from hyper_parallel.models.pipeline import pipeline_model
+
+        if "microbatches" not in kwargs:
+            raise TypeError("from_pretrained over a mesh with 'pp' needs microbatches=")
+        result: Any = pipeline_model(model, mesh, ep=ep, **kwargs)
+        parts = list(result.parts)
+    else:
+        result = parallelize_model(model, mesh, ep=ep, **kwargs)
+        parts = [model]
+    for part in parts:
+        _materialise(part, mesh_device(mesh))
+        _fill(folder, fam, part)
     folder.close()
     report = LoadReport(
         path=folder.path,
@@ -219,5 +236,5 @@ def from_pretrained(
         tensors=len(folder.stats.tensors),
         seconds=time.perf_counter() - start,
     )
-    object.__setattr__(model, _REPORT, report)
-    return model
+    object.__setattr__(result, _REPORT, report)
+    return result

@@ -143,11 +143,12 @@ class PipelinedModel:
     ``parts``: this rank's stages as parallelised stock ``*ForCausalLM`` modules holding only
     their own layers (in stage order); ``stages``: their indices; ``layers``: the decoder
     layers of every stage of the pipeline (``layers[s]`` the range of stage ``s``);
-    ``pp``/``microbatches``/``schedule`` as given."""
+    ``pp``/``microbatches``/``schedule`` as given; ``mesh`` the whole pipeline's mesh."""
 
     def __init__(
         self,
         parts: list[nn.Module],
+        mesh: DeviceMesh,
         stages: list[int],
         layers: list[range],
         pp_mesh: DeviceMesh | None,
@@ -157,6 +158,7 @@ class PipelinedModel:
         pp_rank: int,
     ) -> None:
         self.parts = parts
+        self.mesh = mesh
         self.stages = stages
         self.layers = layers
         self.pp_mesh = pp_mesh
@@ -221,6 +223,18 @@ class PipelinedModel:
         extra = sorted(set(state_dict) - used)
         if strict and extra:
             raise KeyError(f"keys of no stage of this rank: {extra[:5]}")
+
+    def save_pretrained(self, save_directory: Any, **kwargs: Any) -> None:
+        """Write the whole model as one plain Hugging Face folder (the hub layout, stock
+        keys) from every rank of the pipeline, no rank gathering more than one tensor of its
+        own stage at a time (``save_pretrained`` of a parallelised model, over every stage:
+        :func:`hyper_parallel.models.checkpoint.save_pipeline`). Call on every rank; the same
+        options and errors as a parallelised model's ``save_pretrained``."""
+        from hyper_parallel.dtensor import flatten
+        from hyper_parallel.models.checkpoint import save_pipeline
+
+        job = self.mesh if self.mesh.ndim == 1 else flatten(self.mesh)
+        save_pipeline(self.parts, job, save_directory, **kwargs)
 
     def train(self, mode: bool = True) -> PipelinedModel:
         for part in self.parts:
@@ -510,4 +524,6 @@ def pipeline_model(
     for part in parts:
         apply_parallel(part, stage_mesh, reshard_after_forward=False, **kwargs)
         part._hp_mp_policy = kwargs.get("mp_policy")  # type: ignore[assignment]
-    return PipelinedModel(parts, mine, ranges, pp_mesh, stage_mesh, microbatches, spec, pp_rank)
+    return PipelinedModel(
+        parts, mesh, mine, ranges, pp_mesh, stage_mesh, microbatches, spec, pp_rank
+    )
