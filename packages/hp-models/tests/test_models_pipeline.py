@@ -5,8 +5,11 @@ batch, with -100 labels spread unevenly over the micro-batches), every gradient 
 the three families at ``(pp, cp, tp) = (2, 2, 1)`` with ep 2 and at
 ``(pp, dp, cp, tp) = (2, 2, 1, 1)``; schedules GPipe, 1F1B, Interleaved1F1B (2 stages a
 rank) and ZBVZeroBubble (V, 2 stages a rank); packed documents (each micro-batch's table
-with it); every parameter held by exactly one stage, under the stock names; a DCP checkpoint
-saved at pp = 2 resumed at pp = 4. Bad input raises on every rank before any communication."""
+with it); Hugging Face's activation checkpointing; ``balance_experts`` over the micro-batches'
+routing; every parameter held by exactly one stage, under the stock names; a DCP checkpoint
+saved at pp = 2 resumed at pp = 4; ``from_pretrained`` into a pp = 4 pipeline (each rank
+reading its own stage) and ``save_pretrained`` from it. Bad input raises on every rank
+before any communication."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import POOL_ENV, run_distributed
 from hyper_parallel.models import (
     IGNORE_INDEX,
+    balance_experts,
     clip_grad_norm_,
     from_pretrained,
     load_report,
@@ -82,8 +86,14 @@ def _serial_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], packed:
 
 def _case(mesh: Any, kind: str, options: dict[str, Any], bsz: int, packed: bool) -> dict:
     """One pipeline against the serial model: two steps (SGD between them)."""
-    serial = tiny_model(kind, seed=0)
-    pm = pipeline_model(tiny_model(kind, seed=0), mesh, **options)
+    options = dict(options)
+    checkpointing = options.pop("checkpointing", False)
+    serial, model = tiny_model(kind, seed=0), tiny_model(kind, seed=0)
+    if checkpointing:  # Hugging Face's activation checkpointing, set before the split
+        for m in (serial, model):
+            m.gradient_checkpointing_enable()
+            m.train()
+    pm = pipeline_model(model, mesh, **options)
     opt = torch.optim.SGD(list(pm.parameters()), lr=0.5)
     ref_opt = torch.optim.SGD(serial.parameters(), lr=0.5)
     losses = []
@@ -108,6 +118,15 @@ def _case(mesh: Any, kind: str, options: dict[str, Any], bsz: int, packed: bool)
                 )
                 compared += 1
             assert compared >= 8, compared
+            routers = {n: m for part in pm.parts for n, m in _routers(part).items()}
+            if kind == "deepseek":  # the bias moves by the serial routing of the global batch
+                before = {n: r.e_score_correction_bias.clone() for n, r in routers.items()}
+                balance_experts(pm, 1e-3)
+                loads = _serial_loads(serial, batch)
+                for n, r in routers.items():
+                    want = before[n] + 1e-3 * torch.sign(loads[n].mean() - loads[n]).float()
+                    torch.testing.assert_close(r.e_score_correction_bias, want, rtol=0, atol=1e-9)
+                    _routers(serial)[n].e_score_correction_bias.copy_(r.e_score_correction_bias)
             norm = clip_grad_norm_(pm, 1e9)  # every stage's gradients, each counted once
             ref_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9)
             torch.testing.assert_close(norm.double(), ref_norm.double(), rtol=1e-6, atol=0)
@@ -123,6 +142,33 @@ def _case(mesh: Any, kind: str, options: dict[str, Any], bsz: int, packed: bool)
         "layers": [(r.start, r.stop) for r in pm.layers],
         "pm": pm,
     }
+
+
+def _routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if n.endswith("mlp.gate") and hasattr(m, "e_score_correction_bias")
+    }
+
+
+def _serial_loads(model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+    """Per router: the (token, expert) counts of the serial model's routing of the batch."""
+    loads, hooks = {}, []
+    for name, router in _routers(model).items():
+
+        def hook(mod, args, out, name=name):
+            loads[name] = torch.bincount(
+                out[2].reshape(-1), minlength=mod.e_score_correction_bias.numel()
+            )
+            loads[name] = loads[name].double()
+
+        hooks.append(router.register_forward_hook(hook))
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    return loads
 
 
 def _errors(mesh: Any) -> dict[str, str]:
@@ -184,6 +230,7 @@ PP_CP_CASES = [
         False,
     ),
     ("kimi", {"microbatches": 2, "schedule": "1F1B"}, 2, True),
+    ("kimi", {"microbatches": 4, "schedule": "1F1B", "checkpointing": True}, 4, False),
 ]
 # the V schedule where this torch runs it (it raises on torch 2.7.1: checked in _errors)
 V_OR_LOOP = "ZBVZeroBubble" if same_rank_hand_off() else "Interleaved1F1B"
