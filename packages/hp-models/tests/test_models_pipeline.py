@@ -249,7 +249,7 @@ PP_DP_CASES = [
 def _run(dims: tuple[int, ...], names: tuple[str, ...], cases: list, folder: str) -> dict:
     mesh = _mesh(dims, names)
     res: dict[str, Any] = {"coord": tuple(mesh.get_coordinate())}
-    if "dp" not in names:
+    if names == ("pp", "cp", "tp"):
         res["errors"] = _errors(mesh)
     for i, (kind, options, bsz, packed) in enumerate(cases):
         out = _case(mesh, kind, options, bsz, packed)
@@ -376,6 +376,24 @@ def test_pipeline_trains_like_serial_and_resumes_at_another_pp(tmp_path, monkeyp
     )
     for name, p in plain.named_parameters():
         torch.testing.assert_close(p.detach(), serial.get_parameter(name).detach(), **TOL)
+
+
+NO_PP_CASES = [
+    ("kimi", {"microbatches": 4, "schedule": "1F1B"}, 4, False),
+    ("deepseek", {"microbatches": 2, "schedule": "GPipe", "grad_reduction": "allreduce"}, 4, False),
+]
+
+
+@pytest.mark.timeout(300)
+def test_microbatches_without_pp_accumulate_like_the_serial_model() -> None:
+    # a ("cp", "tp") = (2, 2) mesh: pp = 1, one stage on every rank, the micro-batches of one
+    # step one after another (Kimi-Linear's KDA exchange over 4 ranks, the grouped protocol's
+    # groups included)
+    results = run_distributed(_run, 4, (2, 2), ("cp", "tp"), NO_PP_CASES, "", timeout=240)
+    for rep in results:
+        assert rep["kimi-0"]["stages"] == [0] and rep["kimi-0"]["layers"] == [(0, 4)], rep
+        assert rep["kimi-0"]["names"] == rep["kimi-0"]["serial_names"]
+        assert rep["deepseek-1"]["losses"] == results[0]["deepseek-1"]["losses"]
 
 
 def test_schedule_rules_and_the_split_are_checked_without_processes(monkeypatch) -> None:

@@ -309,7 +309,12 @@ class PipelinedModel:
         b, s = first.shape
         hidden = int(cast(Any, self.parts[0]).config.hidden_size)
         device = _device(self.stage_mesh)
-        group = None if self.pp_mesh is None else self.pp_mesh.get_group()
+        if self.pp_mesh is not None:
+            group = self.pp_mesh.get_group()
+        else:  # pp = 1: a pipeline of one stage, each rank its own (a group of one)
+            from hyper_parallel.dtensor.groups import group_for
+
+            group = group_for([[r] for r in range(torch.distributed.get_world_size())])
         stages = []
         for mod in self._modules:
             # examples of what the stage takes and gives (torch reads shape, dtype and whether
