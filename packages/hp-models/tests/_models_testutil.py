@@ -117,3 +117,30 @@ def shard_errors(cases: dict[str, dict[str, Any]], mesh: Any) -> dict[str, str]:
         except ValueError as exc:
             out[name] = str(exc)
     return out
+
+
+def routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The MoE routers that carry DeepSeek-V3's ``e_score_correction_bias``, by name."""
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if n.endswith("mlp.gate") and hasattr(m, "e_score_correction_bias")
+    }
+
+
+def serial_loads(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Per router: the (token, expert) counts (float64) of the serial model's routing of the
+    whole ``batch`` (a no-grad forward)."""
+    loads, hooks = {}, []
+    for name, router in routers(model).items():
+
+        def hook(mod: Any, args: Any, out: Any, name: str = name) -> None:
+            n = mod.e_score_correction_bias.numel()
+            loads[name] = torch.bincount(out[2].reshape(-1), minlength=n).double()
+
+        hooks.append(router.register_forward_hook(hook))
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    return loads

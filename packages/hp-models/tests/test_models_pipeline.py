@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _models_testutil import full64, shifted_loss
+from _models_testutil import full64, routers, serial_loads, shifted_loss
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.testing import POOL_ENV, run_distributed
@@ -118,15 +118,15 @@ def _case(mesh: Any, kind: str, options: dict[str, Any], bsz: int, packed: bool)
                 )
                 compared += 1
             assert compared >= 8, compared
-            routers = {n: m for part in pm.parts for n, m in _routers(part).items()}
+            held = {n: m for part in pm.parts for n, m in routers(part).items()}
             if kind == "deepseek":  # the bias moves by the serial routing of the global batch
-                before = {n: r.e_score_correction_bias.clone() for n, r in routers.items()}
+                before = {n: r.e_score_correction_bias.clone() for n, r in held.items()}
                 balance_experts(pm, 1e-3)
-                loads = _serial_loads(serial, batch)
-                for n, r in routers.items():
+                loads = serial_loads(serial, batch)
+                for n, r in held.items():
                     want = before[n] + 1e-3 * torch.sign(loads[n].mean() - loads[n]).float()
                     torch.testing.assert_close(r.e_score_correction_bias, want, rtol=0, atol=1e-9)
-                    _routers(serial)[n].e_score_correction_bias.copy_(r.e_score_correction_bias)
+                    routers(serial)[n].e_score_correction_bias.copy_(r.e_score_correction_bias)
             norm = clip_grad_norm_(pm, 1e9)  # every stage's gradients, each counted once
             ref_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9)
             torch.testing.assert_close(norm.double(), ref_norm.double(), rtol=1e-6, atol=0)
@@ -142,33 +142,6 @@ def _case(mesh: Any, kind: str, options: dict[str, Any], bsz: int, packed: bool)
         "layers": [(r.start, r.stop) for r in pm.layers],
         "pm": pm,
     }
-
-
-def _routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    return {
-        n: m
-        for n, m in model.named_modules()
-        if n.endswith("mlp.gate") and hasattr(m, "e_score_correction_bias")
-    }
-
-
-def _serial_loads(model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
-    """Per router: the (token, expert) counts of the serial model's routing of the batch."""
-    loads, hooks = {}, []
-    for name, router in _routers(model).items():
-
-        def hook(mod, args, out, name=name):
-            loads[name] = torch.bincount(
-                out[2].reshape(-1), minlength=mod.e_score_correction_bias.numel()
-            )
-            loads[name] = loads[name].double()
-
-        hooks.append(router.register_forward_hook(hook))
-    with torch.no_grad():
-        model(**batch)
-    for h in hooks:
-        h.remove()
-    return loads
 
 
 def _errors(mesh: Any) -> dict[str, str]:

@@ -224,18 +224,7 @@ def save_pretrained(
     ``RuntimeError`` on every rank when a rank failed to write (that rank re-raises its own
     error)."""
     del original
-    for key in _UNSUPPORTED:
-        if kwargs.get(key) not in (None, False):  # an empty state dict too
-            raise ValueError(
-                f"save_pretrained({key}=...) is not supported on a parallelised model: every "
-                "rank writes its share of the model's own weights to one plain folder; for "
-                "sharded checkpoints use torch.distributed.checkpoint (hp-models README)"
-            )
-    if kwargs.get("safe_serialization", True) is False:
-        raise ValueError(
-            "save_pretrained(safe_serialization=False) is not supported: it writes safetensors"
-        )
-    limit = _shard_limit(kwargs.get("max_shard_size"))
+    limit = _check_options(kwargs)
     plan = plan_of(model, "save_pretrained")
     failure: BaseException | None = None
     try:
@@ -247,15 +236,11 @@ def save_pretrained(
     _agree(failure, plan.mesh.batch, save_directory)
 
 
-def save_pipeline(parts: list[nn.Module], job: Any, save_directory: Any, **kwargs: Any) -> None:
-    """:func:`save_pretrained` of a pipeline: ``parts`` are this rank's stages (each a model
-    parallelised by ``parallelize_model``) and ``job`` the 1-D mesh of every rank of the
-    pipeline. Each stage's tensors are gathered over its own ranks and shared out among them
-    (steps 1–2), then every rank of the job writes its files and the job's first rank the
-    index and config: one folder, no rank holding a stage, let alone the model. The same
-    options and errors as :func:`save_pretrained`."""
+def _check_options(kwargs: dict[str, Any]) -> int | None:
+    """The options every rank refuses alike, before any communication (see
+    :func:`save_pretrained`); returns the file size limit in bytes (None: one file)."""
     for key in _UNSUPPORTED:
-        if kwargs.get(key) not in (None, False):
+        if kwargs.get(key) not in (None, False):  # an empty state dict too
             raise ValueError(
                 f"save_pretrained({key}=...) is not supported on a parallelised model: every "
                 "rank writes its share of the model's own weights to one plain folder; for "
@@ -265,7 +250,17 @@ def save_pipeline(parts: list[nn.Module], job: Any, save_directory: Any, **kwarg
         raise ValueError(
             "save_pretrained(safe_serialization=False) is not supported: it writes safetensors"
         )
-    limit = _shard_limit(kwargs.get("max_shard_size"))
+    return _shard_limit(kwargs.get("max_shard_size"))
+
+
+def save_pipeline(parts: list[nn.Module], job: Any, save_directory: Any, **kwargs: Any) -> None:
+    """:func:`save_pretrained` of a pipeline: ``parts`` are this rank's stages (each a model
+    parallelised by ``parallelize_model``) and ``job`` the 1-D mesh of every rank of the
+    pipeline. Each stage's tensors are gathered over its own ranks and shared out among them
+    (steps 1–2), then every rank of the job writes its files and the job's first rank the
+    index and config: one folder, no rank holding a stage, let alone the model. The same
+    options and errors as :func:`save_pretrained`."""
+    limit = _check_options(kwargs)
     me = int(torch.distributed.get_rank())
     failure: BaseException | None = None
     mine: dict[str, Tensor] = {}
