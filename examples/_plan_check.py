@@ -79,14 +79,25 @@ def job_config(t: Any) -> Any:
 
 
 def plan_lines(
-    config: Any, t: Any, step: int, grad_reduction: str, per_rank: list[dict[str, Any]]
+    config: Any,
+    t: Any,
+    step: int,
+    grad_reduction: str,
+    per_rank: list[dict[str, Any]],
+    stages: list[list[int]] | None = None,
 ) -> str:
     """The plan of ``config`` on the job's mesh and batch beside the busiest rank's
-    measurement, per quantity and per collective (bytes, and plan / measured)."""
+    measurement, per quantity and per collective (bytes, and plan / measured). A pipeline
+    (``stages``: each rank's stages): the quantities beside the ranks holding the stages of the
+    plan's busiest pp rank, the collectives beside their busiest rank."""
     from hyper_parallel.models import plan_memory
     from hyper_parallel.models.plan.traffic import collective_name
 
     dims = t.mesh if len(t.mesh) == 3 else (1, *t.mesh)
+    pipe: dict[str, Any] = {}
+    if getattr(t, "pp", 1) > 1:  # the pipeline as pipeline_model runs it: the busiest pp rank
+        pipe = dict(pp=t.pp, microbatches=t.microbatches, schedule=t.schedule,
+                    stages_per_rank=t.stages_per_rank, layer_split=t.layer_split)  # fmt: skip
     plan = plan_memory(
         config,
         dims=dims,
@@ -96,9 +107,17 @@ def plan_lines(
         dtype=getattr(torch, t.dtype),
         grad_reduction=grad_reduction,
         device_type=t.device,
+        **pipe,
     )
+    which = "busiest rank"
+    held = per_rank
+    if pipe and stages is not None:  # the same pp rank on both sides
+        mine = [r for r, s in enumerate(stages) if tuple(s) == tuple(plan.stages)]
+        held = [per_rank[r] for r in mine] or per_rank
+        which = (f"busiest pp rank (stages {', '.join(map(str, plan.stages))}: ranks "
+                 f"{', '.join(map(str, mine))}; collectives: busiest rank)")  # fmt: skip
     lines = [
-        f"plan (hyper_parallel.models.plan_memory) vs measured, step {step}, busiest rank:",
+        f"plan (hyper_parallel.models.plan_memory) vs measured, step {step}, {which}:",
         f"  {'quantity':28s} {'plan':>12s} {'measured':>12s} {'ratio':>7s}",
     ]
 
@@ -107,7 +126,7 @@ def plan_lines(
         lines.append(f"  {name:28s} {planned:12,d} {got:12,d} {ratio:>7s}")
 
     for q in QUANTITIES:
-        row(q, getattr(plan, q), max(int(r.get(q, 0)) for r in per_rank))
+        row(q, getattr(plan, q), max(int(r.get(q, 0)) for r in held))
     busiest: dict[str, int] = {}
     for r in per_rank:
         merged: dict[str, int] = {}  # chunks (moe:dispatch0, 1, ...) added up

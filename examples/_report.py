@@ -1,5 +1,6 @@
 """What the main job prints and draws: the curve comparison (NaN counts as disagreement), the
-per-layer table, the reason a parallel run is slower than the serial one, the loss plots."""
+per-layer table (under ``--pp``, the pipeline's stages after it), the reason a parallel run is
+slower than the serial one, the loss plots."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ HOW = {
     "attn": "Ulysses gated GQA over cp·tp",
     "mlp": "MC2 gated MLP, TP+SP over tp",
     "moe": "hp-moe: {local} of {experts} experts a rank, ep={ep}",
+    "p2p": "pipeline: hidden states, grads between stages",
     "other": "embedding, head, loss, FSDP2, clip, balancing",
 }
 # a MoE layer's collectives (hp-moe's names; ``:grad``, their backward, counted with them)
@@ -122,8 +124,9 @@ def load_lines(load: dict[str, Any]) -> str:
 
 def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float | None) -> None:
     mesh = record["mesh"]
+    pp = f"pp={mesh['pp']} x " if "pp" in mesh else ""  # a pipeline: each layer on its stage's
     print(
-        f"\nper layer, one step (cp={mesh['cp']} x tp={mesh['tp']}; bytes each rank moves over "
+        f"\nper layer, one step ({pp}cp={mesh['cp']} x tp={mesh['tp']}; bytes each rank moves over "
         "its link (hp-dtensor's comm.link_bytes), counted on the traced step; time: slowest "
         "rank, mean over steps; under each MoE layer, its collectives, forward + :grad)"
     )
@@ -155,6 +158,45 @@ def print_layer_table(record: dict[str, Any], parallel_s: float, serial_s: float
             )
     serial = "no serial run" if serial_s is None else f"serial {serial_s * 1e3:.0f} ms"
     print(f"median step: parallel {parallel_s * 1e3:.0f} ms, {serial}")
+
+
+def pipeline_lines(record: dict[str, Any], span: Any, mixers: list[str]) -> str:
+    """The pipeline's stages (``record["pipeline"]``, train_hybrid.pipeline_record): each
+    stage's decoder layers, ranks and forward / backward time a step, then each pp rank's busy
+    time against its ``PipelinedModel.step`` and the schedule's bubble. ``span(range)`` names a
+    layer range (``0-1``)."""
+    pipe = record["pipeline"]
+    steps = pipe["timed_steps"]
+    which = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    spr = pipe["stages_per_rank"]
+    lines = [
+        f"\npipeline: pp={pipe['pp']}, schedule {pipe['schedule']}, {pipe['microbatches']} "
+        f"micro-batches a step, {spr} stage{'s' * (spr > 1)} a rank; per stage, its forward "
+        f"and backward a step (torch's PipelineStage forward_one_chunk / backward_one_chunk, "
+        f"every micro-batch summed; slowest rank of the stage, mean over {which})",
+        f"{'stage':<6} {'layers':<24} {'ranks':<12} {'fwd ms':>8} {'bwd ms':>8}",
+    ]
+    for st in pipe["stages"]:
+        layers = range(*st["layers"])
+        named = f"{span(layers)} ({', '.join(mixers[i] for i in layers)})"
+        ranks = ",".join(map(str, st["ranks"]))
+        lines.append(f"{st['stage']:<6} {named:<24} {ranks:<12} {st['forward_s'] * 1e3:>8.1f} "
+                     f"{st['backward_s'] * 1e3:>8.1f}")  # fmt: skip
+    for r in pipe["ranks"]:
+        idle = f"idle {r['idle']:.2f}" if r["idle"] is not None else "idle -"
+        stages = ",".join(map(str, r["stages"]))
+        lines.append(f"rank {r['rank']} (stage{'s' * (len(r['stages']) > 1)} {stages}): busy "
+                     f"{r['busy_s'] * 1e3:.1f} ms of {r['step_s'] * 1e3:.1f} ms in "
+                     f"PipelinedModel.step, {idle}")  # fmt: skip
+    bubble = pipe["bubble"]
+    formula = "(p-1)/(m+p-1)" if pipe["schedule"] in ("GPipe", "1F1B") else "(p-1)/(v·m+p-1)"
+    lines.append(
+        "idle: the step's time outside the rank's stage forwards and backwards (waiting for a "
+        "neighbouring stage, sends, the loss)"
+        + (f"; {pipe['schedule']}'s bubble with equal stages {formula} = {bubble:.2f}"
+           if bubble is not None else "")
+    )  # fmt: skip
+    return "\n".join(lines)
 
 
 def routing_lines(rate: float, bias: dict[str, list[float]], rerouted: list[int],

@@ -10,6 +10,12 @@ all-to-alls, drawn in magenta) and hp-models' own (the loss's sums, ``sync_gradi
 clipping) run on hp-dtensor's comm runtime and are recorded; FSDP2's all-gathers and
 reduce-scatters, which are not on it, are timed from the ranges FSDP2 names them by
 (examples/_fsdp_trace.py) onto the same comm lane.
+
+Under ``--pp`` (examples/_pipeline_meter.py) each micro-batch's forward and backward of a
+pipeline stage is a span of its own (``stage S mb K``, labelled ``F K`` / ``B K``, ``sS`` in
+front where a rank holds several stages) with the layers' spans nested inside, torch's sends
+and receives between the stages are on the comm lane (``p2p:…``, teal) and the time a stage
+waits for one is a red ``wait`` span between the micro-batches: the pipeline's bubble.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ WAIT = "#C44E52"
 COMM = "#937860"
 MOE_COMM = "#A23B8C"  # hp-moe's dispatch and combine on the comm lane
 OTHER = "#8C8C8C"
+PIPE = "#1F3A93"  # a pipeline stage's micro-batch (forward dark, backward light)
+P2P = "#2A9D8F"  # torch's point-to-point sends and receives between the stages
 
 
 def spans_by_rank(trace: dict[str, Any]) -> dict[int, dict[int, list[dict[str, Any]]]]:
@@ -50,9 +58,19 @@ def nesting_depth(spans: list[dict[str, Any]]) -> list[int]:
     return depth
 
 
+def pipeline_label(name: str, several: bool) -> str:
+    """``stage 1 mb 3 (backward)`` -> ``B3`` (``s1 B3`` where the rank holds several stages)."""
+    head, _, phase = name.partition(" (")
+    words = head.split()  # stage S mb K
+    label = ("B" if phase.startswith("backward") else "F") + words[-1]
+    return f"s{words[1]} {label}" if several else label
+
+
 def _colour(name: str) -> tuple[str, float]:
     if name.startswith("wait "):
         return WAIT, 1.0
+    if name.startswith("stage "):
+        return PIPE, 0.14 if "(backward)" in name else 0.3
     if name.startswith("layer "):
         kind = name.split(":", 1)[-1].split()[0]
         return KIND_COLOURS.get(kind, OTHER), 0.45 if "(backward)" in name else 0.8
@@ -60,28 +78,37 @@ def _colour(name: str) -> tuple[str, float]:
 
 
 def _comm_colour(name: str) -> tuple[str, float]:
-    """hp-moe's exchanges (``moe:…``) magenta, every other collective brown."""
+    """hp-moe's exchanges (``moe:…``) magenta, the pipeline's sends and receives teal, every
+    other collective brown."""
+    if name.startswith("p2p:"):
+        return P2P, 0.85
     return (MOE_COMM, 0.9) if name.startswith("moe:") else (COMM, 0.8)
 
 
 def _draw_lane(ax: Any, spans: list[dict[str, Any]], y: float, comm: bool, t_end: float) -> None:
     depths = [0] * len(spans) if comm else nesting_depth(spans)
+    several = len({e["name"].split()[1] for e in spans if e["name"].startswith("stage ")}) > 1
     for e, d in zip(spans, depths, strict=True):
         colour, alpha = _comm_colour(e["name"]) if comm else _colour(e["name"])
         height = 0.8 * (0.62**d)
         start, width = e["ts"] / 1e3, max(e["dur"] / 1e3, t_end * 2e-4)
         on_top = comm and e["name"].startswith("moe:")  # over the FSDP2 spans they overlap
+        under = comm and e["name"].startswith("p2p:")  # long in flight: under the collectives
         ax.broken_barh([(start, width)], (y - 0.4, height), facecolors=colour, alpha=alpha,
                        edgecolor="white" if d == 0 else "none", linewidth=0.3,
-                       zorder=2.5 if on_top else 2)  # fmt: skip
+                       zorder=2.5 if on_top else 1.5 if under else 2)  # fmt: skip
         if d == 0 and not comm and width > t_end * 0.045 and e["name"].startswith("layer "):
             label = e["name"].removeprefix("layer ").replace(" (forward)", "")
             label = label.replace(" (backward)", " bwd")
             ax.text(start + width / 2, y - 0.4 + height * 0.78, label, ha="center",
                     va="center", fontsize=6)  # fmt: skip
+        if d == 0 and not comm and width > t_end * 0.012 and e["name"].startswith("stage "):
+            ax.text(start + width / 2, y - 0.4 + height * 0.84, pipeline_label(e["name"], several),
+                    ha="center", va="center", fontsize=6)  # fmt: skip
 
 
-def plot_trace(trace: dict[str, Any], path: Path, title: str) -> None:
+def plot_trace(trace: dict[str, Any], path: Path, title: str,
+               xlabel: str = "ms since the rank's first recorded event") -> None:  # fmt: skip
     """Write a PNG timeline of ``trace`` (Chrome trace dict, one pid per rank) to ``path``."""
     import matplotlib
 
@@ -102,7 +129,7 @@ def plot_trace(trace: dict[str, Any], path: Path, title: str) -> None:
             labels.append(f"rank {rank} {'compute' if tid == 0 else 'comm'}")
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.set_xlim(0, t_end * 1.01)
-    ax.set_xlabel("ms since the rank's first recorded event")
+    ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
     ax.grid(axis="x", alpha=0.3)
     present = {e["name"].split(":", 1)[-1].split()[0] for r in ranks
@@ -115,6 +142,11 @@ def plot_trace(trace: dict[str, Any], path: Path, title: str) -> None:
                      "(every layer's, hp-models', FSDP2's)")]  # fmt: skip
     if any(e["name"].startswith("moe:") for r in ranks for e in lanes[r].get(1, [])):
         legend.append(Patch(color=MOE_COMM, label="MoE dispatch / combine in flight (hp-moe)"))
+    if any(e["name"].startswith("stage ") for r in ranks for e in lanes[r].get(0, [])):
+        legend.append(Patch(color=PIPE, alpha=0.3, label="a pipeline stage's micro-batch K: F K "
+                            "forward, B K backward (its layers inside)"))  # fmt: skip
+    if any(e["name"].startswith("p2p:") for r in ranks for e in lanes[r].get(1, [])):
+        legend.append(Patch(color=P2P, label="pipeline send / receive between stages (torch)"))
     ax.legend(handles=legend, fontsize=7, loc="upper center", ncol=2,
               bbox_to_anchor=(0.5, -0.16 - 0.05 / max(len(ranks), 1)))  # fmt: skip
     fig.tight_layout()

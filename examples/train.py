@@ -10,6 +10,7 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py --ep 2      # experts over 2 ranks
     torchrun --standalone --nproc-per-node 4 examples/train.py --experts 0 # dense MLPs only
     torchrun --standalone --nproc-per-node 4 examples/train.py --model path/to/hf-folder
+    torchrun --standalone --nproc-per-node 4 examples/train.py --pp 2 --microbatches 4  # pipeline
 
 A tiny random ``KimiLinearForCausalLM`` (KDA and MLA layers), ``DeepseekV3ForCausalLM`` (MLA
 layers) or ``Qwen3NextForCausalLM`` (Gated DeltaNet "gdn" and gated GQA attention "attn"
@@ -21,7 +22,11 @@ parallelised in one call (``parallelize_model``: the routed experts split over g
 ``--ep`` ranks); or ``--model PATH``, a Hugging Face folder of one of these families
 (``config.json`` and safetensors, as downloaded or as ``save_pretrained`` writes them) loaded
 by ``from_pretrained`` straight into the parallelised model, each rank reading only its own
-slices. Trained with AdamW on a learnable synthetic token stream (examples/_data.py;
+slices. ``--pp N`` (N >= 2) cuts the model into pipeline stages instead
+(``pipeline_model``: ``--schedule``, one of torch's schedules by name, ``--microbatches`` a step,
+``--stages-per-rank``, ``--layer-split``), each stage parallelised over its ``--mesh`` ranks
+(mesh ``("pp", [dp,] cp, tp)``), every step ``PipelinedModel.step`` on the global batch.
+Trained with AdamW on a learnable synthetic token stream (examples/_data.py;
 ``--packed``: each row holds documents of random lengths), the routers' bias balanced after
 every step (``balance_experts``, DeepSeek-V3's auxiliary-loss-free balancing;
 ``--balance-rate``; Kimi-Linear and DeepSeek-V3: Qwen3-Next's routers have no bias, and its
@@ -51,18 +56,25 @@ import _report
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from tqdm import tqdm
 
 from hyper_parallel.dtensor import init_device_mesh, unflatten
 from hyper_parallel.dtensor.devices import BACKENDS, bind_device
 from hyper_parallel.models import (
+    PipelinedModel,
     balance_experts,
     clip_grad_norm_,
     parallelize_model,
+    pipeline_model,
     shard_batch,
     sync_gradients,
 )
+from hyper_parallel.models.pipeline import SCHEDULES
 from hyper_parallel.models.pretrained import from_pretrained, load_report
 from hyper_parallel.models.testing import tiny_model
 
@@ -88,7 +100,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--layers", help="token mixer per layer: kda / mla (kimi-linear), mla (deepseek-v3), "
         "gdn / attn (qwen3-next); default: per --model, "
         + "; ".join(f"{v} ({m})" for m, v in LAYERS.items()))  # fmt: skip
-    add("--mesh", default="2,2", help="cp,tp or dp,cp,tp (product = ranks)")
+    add("--mesh", help="cp,tp or dp,cp,tp (product = ranks; default 2,2); with --pp, each "
+        "stage's (default 4/pp,1: pp x cp = 4 ranks)")  # fmt: skip
+    add("--pp", type=int, default=1, help="pipeline stages' ranks (>= 2: pipeline_model over a "
+        "(pp, [dp,] cp, tp) mesh; default 1: no pipeline)")  # fmt: skip
+    add("--schedule", choices=list(SCHEDULES), default="1F1B", help="--pp: torch's schedule")
+    add("--microbatches", type=int, help="--pp: micro-batches a step (default: the stages, "
+        "pp x stages-per-rank)")  # fmt: skip
+    add("--stages-per-rank", type=int, help="--pp: stages a pipeline rank holds (default 1; 2 "
+        "for the interleaved and V schedules)")  # fmt: skip
+    add("--layer-split", help="--pp: decoder layers a stage, e.g. 1,3 (default: balanced by "
+        "each layer's active parameters)")  # fmt: skip
     add("--steps", type=int, default=40)
     add("--batch", type=int, help="sequences per step, global (default 2; --packed: dp)")
     add("--seq", type=int, default=128, help="tokens per sequence")
@@ -121,6 +143,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", default="out")
     add("--timeout", type=float, default=600.0, help="collective timeout (s)")
     args = p.parse_args(argv)
+    piped = ("microbatches", "stages_per_rank", "layer_split")
+    if args.pp < 1:
+        p.error("--pp takes a number of pipeline ranks >= 1")
+    if args.pp == 1 and (args.schedule != "1F1B" or any(getattr(args, o) for o in piped)):
+        p.error("--schedule, --microbatches, --stages-per-rank and --layer-split configure a "
+                "pipeline: give --pp (>= 2)")  # fmt: skip
+    if args.mesh is None:  # 4 ranks in all
+        args.mesh = "2,2" if args.pp == 1 else f"{max(1, 4 // args.pp)},1"
     args.mesh = tuple(int(v) for v in args.mesh.split(",") if v.isdigit())
     args.folder = None if args.model in LAYERS else args.model
     args.family = args.model
@@ -140,9 +170,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         args.mixers = (args.layers or LAYERS[args.model]).split(",")
     dp = args.mesh[0] if len(args.mesh) == 3 else 1
-    args.batch = args.batch or (dp if args.packed else 2)
     if len(args.mesh) not in (2, 3) or min(args.mesh) < 1:
         p.error("--mesh takes cp,tp or dp,cp,tp (positive sizes)")
+    if args.pp > 1:
+        pipeline_options(p, args, dp)
+    else:
+        args.batch = args.batch or (dp if args.packed else 2)
     allowed = MIXERS[args.family]
     if not set(args.mixers) <= set(allowed):
         p.error(f"--layers for --model {args.family} takes {' / '.join(allowed)} per layer, got "
@@ -155,9 +188,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.kv_heads = max(1, args.heads // 2) if qwen else args.heads
         if not 1 <= args.heads <= args.hidden or args.kv_heads < 1 or args.heads % args.kv_heads:
             p.error(f"--heads takes 1 to --hidden ({args.hidden}), --kv-heads a divisor of it")
-    if args.packed and args.batch != dp:  # shard_batch: one packed row per dp replica
+    if args.packed and args.pp == 1 and args.batch != dp:  # one packed row per dp replica
         p.error(f"--packed takes one row per data-parallel replica: --batch {dp}")
-    n, ranks = len(args.mixers), math.prod(args.mesh)
+    n, ranks = len(args.mixers), math.prod(args.mesh)  # ep: within a pipeline stage's ranks
+    args.dims = (args.pp, *args.mesh) if args.pp > 1 else args.mesh
+    args.dim_names = (("pp",) if args.pp > 1 else ()) + (("cp", "tp") if len(args.mesh) == 2
+                                                         else ("dp", "cp", "tp"))  # fmt: skip
+    args.ranks = math.prod(args.dims)
+    if args.pp > 1:
+        pipeline_split(p, args)
     if args.experts < 0 or not 0 <= args.dense_layers <= n:
         p.error(f"--experts takes a count >= 0, --dense-layers one in [0, {n}]")
     if args.folder is None:
@@ -175,6 +214,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not (math.isfinite(args.balance_rate) and args.balance_rate >= 0):
         p.error("--balance-rate takes a finite number >= 0")
     return args
+
+
+def pipeline_options(p: argparse.ArgumentParser, args: argparse.Namespace, dp: int) -> None:
+    """--pp's schedule, stages a rank, micro-batches and batch, checked by
+    ``hyper_parallel.models``' own rules (its ``ValueError`` as the error) before any rank
+    starts."""
+    from hyper_parallel.models.pipeline.schedules import check_schedule
+
+    spec = SCHEDULES[args.schedule]
+    if args.stages_per_rank is None:  # what the schedule runs: 1, or 2 (interleaved, V)
+        args.stages_per_rank = spec.per_rank or (2 if spec.multi else 1)
+    if args.microbatches is None:  # one a stage: enough for every schedule
+        args.microbatches = args.pp * args.stages_per_rank
+    try:
+        check_schedule(args.schedule, args.pp, args.stages_per_rank, args.microbatches)
+    except (TypeError, ValueError) as exc:
+        p.error(str(exc))
+    rows = args.microbatches * dp  # PipelinedModel.step: B/m rows a micro-batch, B/(m·dp) a replica
+    args.batch = args.batch or rows
+    if args.packed and args.batch != rows:
+        p.error(f"--packed with --pp takes one packed row per data-parallel replica and "
+                f"micro-batch: --batch {rows}")  # fmt: skip
+    if args.batch < 1 or args.batch % rows:
+        p.error(f"--batch {args.batch} does not divide into microbatches·dp = "
+                f"{args.microbatches}·{dp} = {rows} (each micro-batch takes B/microbatches "
+                "rows, each dp replica B/(microbatches·dp) of them)")  # fmt: skip
+
+
+def pipeline_split(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--layer-split (or the balanced default) against the pipeline's pp · stages-per-rank
+    stages, by ``hyper_parallel.models``' own checks."""
+    from hyper_parallel.models.pipeline.split import balanced_split, check_layer_split
+
+    n, stages = len(args.mixers), args.pp * args.stages_per_rank
+    try:
+        if args.layer_split is None:  # the rule the default split applies: a layer a stage
+            balanced_split([1.0] * n, stages)
+            return
+        counts = args.layer_split.split(",")
+        if not all(c.strip().isdigit() for c in counts):
+            p.error(f"--layer-split takes layers a stage, e.g. 2,2; got {args.layer_split!r}")
+        args.layer_split = check_layer_split([int(c) for c in counts], n, stages)
+    except (TypeError, ValueError) as exc:
+        p.error(str(exc))
 
 
 def describe_mlps(args: argparse.Namespace) -> str:
@@ -250,6 +333,55 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
                       linear_head_dim=args.kda_head_dim)  # fmt: skip
 
 
+def layer_span(layers: range) -> str:
+    """``0-1`` (or ``3`` for one layer)."""
+    return f"{layers.start}" if len(layers) == 1 else f"{layers.start}-{layers.stop - 1}"
+
+
+def describe_pipeline(pm: PipelinedModel, mesh: Any, args: argparse.Namespace) -> str:
+    """The pipeline: schedule, micro-batches, and each stage's decoder layers (``pm.layers``)
+    and the ranks holding it."""
+    from hyper_parallel.models.pipeline.schedules import stages_of_rank
+
+    spec, pp, per = SCHEDULES[args.schedule], args.pp, args.stages_per_rank
+    holders: dict[int, list[int]] = {}
+    for r in range(pp):  # pp coordinate r: the ranks of its (dp,) cp, tp slice
+        for s in stages_of_rank(spec, r, pp, per):
+            holders.setdefault(s, []).extend(int(v) for v in mesh.mesh[r].flatten())
+    rows = args.batch // args.microbatches
+    lines = [f"pipeline: pp={pp}, schedule {args.schedule}, {args.microbatches} micro-batches of "
+             f"{rows} x {args.seq} tokens a step, {per} stage{'s' * (per > 1)} a rank"]  # fmt: skip
+    for s, layers in enumerate(pm.layers):
+        kinds = ", ".join(args.mixers[i] for i in layers)
+        lines.append(f"  stage {s}: layers {layer_span(layers)} ({kinds}) on ranks "
+                     f"{', '.join(map(str, sorted(holders.get(s, []))))}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def checkpoint_module(model: Any) -> torch.nn.Module:
+    """What the checkpoints hold: the model itself, or for a pipeline one module holding this
+    rank's stages' layers, embeddings, final norm and LM head under the stock names (the keys of
+    ``pm.state_dict()``), so that ``get_state_dict`` maps one optimizer over
+    ``pm.parameters()`` (several stages a rank too) to them; resumable at another pp."""
+    if not isinstance(model, PipelinedModel):
+        return model
+    root, base = torch.nn.Module(), torch.nn.Module()
+    root.model = base
+    base.layers = torch.nn.ModuleDict()
+    parts: list[Any] = model.parts
+    for part, s in zip(parts, model.stages, strict=True):
+        for i in model.layers[s]:
+            base.layers[str(i)] = part.model.layers[i]  # type: ignore[index]
+        if s == 0:
+            base.embed_tokens = part.model.embed_tokens
+        if s == model.num_stages - 1:
+            base.norm, root.lm_head = part.model.norm, part.lm_head
+    if set(root.state_dict()) != set(model.state_dict()):
+        raise RuntimeError("the pipeline's stages hold state outside their layers, "
+                           "embeddings, norm and head")  # fmt: skip
+    return root
+
+
 def autocast(args: argparse.Namespace) -> Any:
     dtype = AMP[args.autocast]
     return nullcontext() if dtype is None else torch.autocast(args.device, dtype=dtype)
@@ -278,43 +410,64 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
     rank, out = dist.get_rank(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     world = init_device_mesh(args.device, (dist.get_world_size(),), mesh_dim_names=("world",))
-    names = ("cp", "tp") if len(args.mesh) == 2 else ("dp", "cp", "tp")  # dp outermost
-    mesh = unflatten(world, "world", args.mesh, names)
+    names = args.dim_names  # ("pp",) dp outermost, then cp, tp
+    mesh = unflatten(world, "world", args.dims, names)
+    # --pp: pipeline_model's options; every other one goes to parallelize_model for each stage
+    piped = {} if args.pp == 1 else dict(
+        microbatches=args.microbatches, schedule=args.schedule,
+        stages_per_rank=args.stages_per_rank, layer_split=args.layer_split)  # fmt: skip
+    params = 0
+    model: Any
     if args.folder is None:  # the tiny random model, parallelised in one call
         model = build_model(args).to(args.device)
-        parallelize_model(model, mesh, grad_reduction=args.grad_reduction, ep=args.ep)
+        if piped:  # cut into stages (this rank's returned), each stage parallelised
+            params = sum(p.numel() for p in model.parameters())  # every stage's
+            model = pipeline_model(model, mesh, grad_reduction=args.grad_reduction, ep=args.ep,
+                                   **piped)  # fmt: skip
+        else:
+            parallelize_model(model, mesh, grad_reduction=args.grad_reduction, ep=args.ep)
     else:  # a Hugging Face folder, parallelised as it loads: each rank reads only its slices
         eager = args.dtype == "float64"  # grouped_mm has no float64
         model = from_pretrained(args.folder, mesh, dtype=getattr(torch, args.dtype), ep=args.ep,
                                 grad_reduction=args.grad_reduction,
-                                experts_implementation="eager" if eager else None)  # fmt: skip
+                                experts_implementation="eager" if eager else None,
+                                **piped)  # fmt: skip
     if rank == 0:
-        params = sum(p.numel() for p in model.parameters())  # whole tensors, not shards
-        dims = " x ".join(f"{n}={s}" for n, s in zip(names, args.mesh))
+        stock = model.parts[0] if piped else model  # a pipeline: this rank's first stage
+        mine = " in rank 0's stages" if piped and not params else ""  # a pipelined folder
+        params = params or sum(p.numel() for p in model.parameters())  # whole tensors, not shards
+        dims = " x ".join(f"{n}={s}" for n, s in zip(names, args.dims))
         mixers = ", ".join(args.mixers)
         if "attn" in args.mixers:  # Qwen3-Next's gated GQA: key/value heads fewer than the ranks
-            heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+            heads, kv = stock.config.num_attention_heads, stock.config.num_key_value_heads
             mixers += (f"; gated attention {heads} heads, {kv} key/value head{'s' * (kv > 1)} "
                        f"over {math.prod(args.mesh)} ranks")  # fmt: skip
-        name = type(model).__name__.removeprefix("FSDP")  # FSDP2's subclass of the stock one
+        name = type(stock).__name__.removeprefix("FSDP")  # FSDP2's subclass of the stock one
         print(f"training {name}: {len(args.mixers)} layers ({mixers}; "
-              f"{describe_mlps(args)}), {params:,} parameters ({args.dtype})\nmesh {dims} on "
-              f"{args.device}; "
+              f"{describe_mlps(args)}), {params:,} parameters{mine} ({args.dtype})\nmesh {dims} "
+              f"on {args.device}; "
               f"{args.batch} x {args.seq} tokens per step{', packed documents' * args.packed}; "
               f"autocast {args.autocast}; {args.steps} steps", flush=True)  # fmt: skip
+        if piped:
+            print(describe_pipeline(model, mesh, args), flush=True)
         if (report := load_report(model)) is not None:
             print(f"loaded {report.path} ({report.family}): rank 0 read "
                   f"{report.bytes_read:,} of {report.folder_bytes:,} bytes in "
                   f"{report.seconds:.1f} s", flush=True)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after parallelize_model
+    held = checkpoint_module(model)  # what the checkpoints hold: the model, or this rank's stages
+    # a pipeline's ranks hold different parameters: the optimizer's param groups by name
+    # (flattened), not as a list that DCP keeps from one rank only
+    sd_options = StateDictOptions(flatten_optimizer_state_dict=True) if piped else None
     # routers with a bias to balance (Kimi-Linear's, DeepSeek-V3's; Qwen3-Next's have none)
-    biased = any(hasattr(m, "e_score_correction_bias") for m in model.modules())
+    biased = any(hasattr(m, "e_score_correction_bias") for m in held.modules())  # this rank's
     start = latest_step(out) if args.resume else 0
     if start:  # the DCP recipe of packages/hp-models/README.md (any mesh shape)
-        msd, osd = get_state_dict(model, opt)
+        msd, osd = get_state_dict(held, opt, options=sd_options)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(checkpoint_dir(out, start)))
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(held, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=sd_options)  # fmt: skip
         if rank == 0:
             print(f"resumed from {checkpoint_dir(out, start)}", flush=True)
     if hooks is not None:
@@ -324,10 +477,15 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
     for step in bar:
         t0 = time.perf_counter()
         with hooks.step(step) if hooks is not None else nullcontext():
-            batch = shard_batch(_data.batch(args, step), mesh)  # the whole batch on every rank
-            with autocast(args):
-                loss = model(**{k: v.to(args.device) for k, v in batch.items()}).loss
-            loss.backward()
+            if piped:  # the global batch on every rank: the stages' forwards and backwards
+                batch = {k: v.to(args.device) for k, v in _data.batch(args, step).items()}
+                with autocast(args):
+                    loss = model.step(**batch)  # the whole batch's loss, on every rank
+            else:
+                batch = shard_batch(_data.batch(args, step), mesh)  # the whole batch, every rank
+                with autocast(args):
+                    loss = model(**{k: v.to(args.device) for k, v in batch.items()}).loss
+                loss.backward()
             sync_gradients(model)  # a no-op under FSDP2 (it reduces during backward)
             clip_grad_norm_(model, args.clip)
             opt.step()
@@ -342,11 +500,11 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
             raise FloatingPointError(f"loss is {losses[-1]} at step {step}")
         bar.set_postfix_str(f"loss={losses[-1]:.4f} tok/s={args.batch * args.seq / seconds:,.0f}")
         if step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0):
-            msd, osd = get_state_dict(model, opt)
+            msd, osd = get_state_dict(held, opt, options=sd_options)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(checkpoint_dir(out, step + 1)))
     if rank == 0:
         (out / "losses.json").write_text(json.dumps({"first_step": start, "losses": losses}))
-        _report.plot_loss(out / "loss.png", start, losses, f"{model_name(args)}, mesh {args.mesh}")
+        _report.plot_loss(out / "loss.png", start, losses, f"{model_name(args)}, mesh {args.dims}")
         print(f"checkpoint: {checkpoint_dir(out, args.steps)}; loss curve: {out / 'loss.png'}")
     dist.destroy_process_group()
     return losses

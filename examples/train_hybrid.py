@@ -13,10 +13,11 @@ curves agree; meter, trace and report the parallel run, and keep every process u
     python examples/train_hybrid.py --ep 2 --experts 4     # experts split over 2 ranks
     python examples/train_hybrid.py --dtype float32        # train.py's dtype (CPU: float64)
     python examples/train_hybrid.py --model path/to/hf-folder [--no-serial]
+    python examples/train_hybrid.py --pp 2 --schedule 1F1B --microbatches 4   # pipeline
 
 Options of its own are listed below; every other one goes to examples/train.py (its --help
-lists them). The harness starts torchrun on ``prod(--mesh)`` local ranks, each running
-``train.main`` with hooks (:class:`RankHooks`) that meter every layer, trace step
+lists them). The harness starts torchrun on ``prod(--mesh)`` (times ``--pp``) local ranks,
+each running ``train.main`` with hooks (:class:`RankHooks`) that meter every layer, trace step
 ``--trace-step`` (default: step 2, or the last one for shorter runs) and look for the rank
 where a non-finite value first appeared. Output (``--out``, default ``out/``): what train.py
 writes (``loss.png``, ``losses.json``, ``ckpt/``), plus ``loss_curves.png`` (parallel vs
@@ -24,6 +25,15 @@ serial), ``trace_step.json`` (Chrome / Perfetto trace of the traced step, one pr
 ``trace_step.png`` (the same step as a timeline per rank) and ``parallel.json`` (losses, step
 times, per-layer communication and time, and each layer's collectives by name on the traced
 step: a MoE layer's ``moe:dispatch`` / ``moe:combine`` all-to-alls and ``moe:counts``).
+
+``--pp N`` (train.py's): the model cut into pipeline stages (``pipeline_model``), trained with
+``PipelinedModel.step``; the serial model and the comparison are the same. The report adds
+each stage's decoder layers, ranks, and forward and backward time a step (torch's
+``PipelineStage`` calls timed, every micro-batch summed: examples/_pipeline_meter.py), each
+rank's idle share of ``PipelinedModel.step`` beside the schedule's bubble, and a ``p2p`` row
+(the hidden states and gradients sent between stages); the trace shows each micro-batch's
+forward and backward of each stage (``F k`` / ``B k``), the layers inside, the sends and
+receives between the stages and the waits for them, every rank on one clock.
 On CPU without ``--autocast`` the weights are float64 unless ``--dtype`` is given (train.py's
 default is float32). The MoE routers pick experts by comparing float32 scores: from float32
 weights the two runs' hidden states differ by rounding, a token whose scores are a near-tie
@@ -83,6 +93,7 @@ import torch
 import train
 from _fsdp_trace import FsdpCapture, add_spans
 from _meter import LayerMeter
+from _pipeline_meter import StageMeter, bubble, p2p_spans
 from _trace_plot import plot_trace
 
 from hyper_parallel.dtensor.devices import bind_device
@@ -162,31 +173,57 @@ class RankHooks:
         self.current = -1  # the step running
         self.fsdp = False  # FSDP2 reduces the gradients: its collectives from its named ranges
         self.plan_meter: _plan_check.PlanMeter | None = None  # the step set beside the plan
+        # every watched output in model order (the same on every rank): where a non-finite
+        # value first appeared, whichever rank (pipeline stage) holds the module
+        self.order = ["embedding", *layer_names(t), "lm_head"]
+        self.stage_meter: StageMeter | None = None  # --pp: each stage's forward and backward
+        self.stage_times: list[dict[str, list[float]]] = []  # per step: stage -> [fwd, bwd] s
+        self.pipeline_step_s: list[float] = []  # per step: PipelinedModel.step's wall time
+        self.stages: list[int] = []
+        self.stage_layers: list[list[int]] = []
+        self.trace_origin_ns = 0  # the traced step's time 0 (perf_counter_ns: one clock a host)
 
-    def on_model(self, model: torch.nn.Module, mesh: Any) -> None:
+    def on_model(self, model: Any, mesh: Any) -> None:
         from hyper_parallel.dtensor.rewrite import parallel_state
         from hyper_parallel.models.pretrained import load_report
 
         report = load_report(model)  # None unless loaded from a folder
         self.load = None if report is None else dataclasses.asdict(report)
-        self.fsdp = parallel_state(model, "hp-models").grad_reduction == "fsdp"
-        self.router_loads = RouterLoads(model)  # this rank's tokens
-        base = model.model
+        parts = held_parts(model)  # the model, or this rank's pipeline stages
+        self.fsdp = parallel_state(parts[0][0], "hp-models").grad_reduction == "fsdp"
+        self.router_loads = RouterLoads([part for part, *_ in parts])  # this rank's tokens
         if self.h.nan_step >= 0 and self.h.nan_rank in (-1, self.rank):  # drill: before watch
-            base.embed_tokens.register_forward_hook(self._poison)
+            part, held, first, _ = parts[0]  # the embeddings, or this rank's first layer
+            target = part.model.embed_tokens if first else token_mixer(part.model.layers[held[0]])
+            target.register_forward_hook(self._poison)
         layers: list[tuple[str, Any]] = []
-        for i, (layer, mixer, mlp) in enumerate(zip(base.layers, self.t.mixers, self.t.mlps)):
-            layers += [(f"{i}:{mixer}", token_mixer(layer)),
-                       (f"{i}:{mlp.replace('dense', 'mlp')}", layer.mlp)]  # fmt: skip
-        for name, module in [("embedding", base.embed_tokens), *layers, ("lm_head", model.lm_head)]:
+        watched: list[tuple[str, Any]] = []
+        for part, held, first, last in parts:
+            base = part.model
+            own = [(f"{i}:{self.t.mixers[i]}", token_mixer(base.layers[i])) for i in held]
+            mlps = [(f"{i}:{self.t.mlps[i].replace('dense', 'mlp')}", base.layers[i].mlp)
+                    for i in held]  # fmt: skip
+            layers += [x for pair in zip(own, mlps, strict=True) for x in pair]
+            watched += [("embedding", base.embed_tokens)] * first
+            watched += [x for pair in zip(own, mlps, strict=True) for x in pair]
+            watched += [("lm_head", part.lm_head)] * last
+        for name, module in watched:
             module.register_forward_hook(self._watch(name))
         self.meter = LayerMeter(layers)
         self.plan_meter = _plan_check.PlanMeter(
             model, _plan_check.plan_step(self.h.trace_step, self.t.steps)
         )
+        if getattr(model, "parts", None) is not None:  # a PipelinedModel
+            self.stage_meter = StageMeter(model)
+            self.stages = list(model.stages)
+            self.stage_layers = [[r.start, r.stop] for r in model.layers]
 
-    def _poison(self, _m: Any, _a: Any, out: torch.Tensor) -> torch.Tensor | None:
-        return out * float("nan") if self.current == self.h.nan_step else None
+    def _poison(self, _m: Any, _a: Any, out: Any) -> Any:
+        if self.current != self.h.nan_step:
+            return None
+        if isinstance(out, tuple):  # a token mixer's (output, weights)
+            return (out[0] * float("nan"), *out[1:])
+        return out * float("nan")
 
     def _watch(self, name: str) -> Any:
         def hook(_m: Any, _a: Any, out: Any) -> None:
@@ -209,19 +246,34 @@ class RankHooks:
         self.router_loads.clear()
         profiling = step == self.h.trace_step
         self.meter.time.clear()
+        stages = self.stage_meter
+        if stages is not None:
+            stages.clear()
+            stages.attach()  # torch's stages, once the first step has built them
         with record_events() if profiling else nullcontext() as rec:
             with FsdpCapture() if profiling and self.fsdp else nullcontext() as fsdp:
                 self.meter.recorder = rec
-                with self.meter if profiling else nullcontext():
+                if stages is not None:
+                    stages.recorder = rec
+                pipe = p2p_spans(rec, self.meter) if profiling and stages else nullcontext()
+                with self.meter if profiling else nullcontext(), pipe:
                     assert self.plan_meter is not None
                     with self.plan_meter.around(step):
                         yield
         self.meter.recorder = None
+        if stages is not None:
+            stages.recorder = None
+            self.stage_times.append(stages.snapshot())
+            self.pipeline_step_s.append(stages.step_s)
         if profiling:
             self.trace = rec.to_chrome_trace(pid=self.rank)
             self.collectives = collectives_by_layer(rec.events)
+            self.trace_origin_ns = rec.events[0].t_ns if rec.events else 0
             if fsdp is not None and rec.events:  # FSDP2's collectives on the comm lane too
-                add_spans(self.trace, fsdp.spans(rec.events[0].t_ns, self.rank))
+                spans = fsdp.spans(rec.events[0].t_ns, self.rank)
+                first = min((e["ts"] for e in spans), default=0.0)  # add_spans shifts by it
+                self.trace_origin_ns += int(min(first, 0.0) * 1000)
+                add_spans(self.trace, spans)
         elif step > 0:
             for key, v in self.meter.time.items():
                 self.timed[key] = self.timed.get(key, 0.0) + v
@@ -235,18 +287,20 @@ class RankHooks:
             return
         import torch.distributed as dist
 
-        bad = [i for i, (_, ok) in enumerate(self.flags) if not bool(ok)]
-        first = torch.tensor([bad[0] if bad else len(self.flags)], device=self.t.device)
+        # the first in model order (one forward: the first in call order; a pipeline: its
+        # stages' outputs of every micro-batch)
+        bad = [self.order.index(name) for name, ok in self.flags if not bool(ok)]
+        first = torch.tensor([min(bad) if bad else len(self.order)], device=self.t.device)
         every = [torch.empty_like(first) for _ in range(dist.get_world_size())]
         dist.all_gather(every, first)
         at = [int(v) for v in every]
         pos = min(at)
-        if pos == len(self.flags):
+        if pos == len(self.order):
             raise NonFiniteLoss(f"non-finite loss at step {step} (loss {loss}; every watched "
                                 "output finite on every rank: it arose in the loss)")  # fmt: skip
         ranks = [r for r, v in enumerate(at) if v == pos]
         raise NonFiniteLoss(
-            f"non-finite loss at step {step}: first non-finite output {self.flags[pos][0]} on "
+            f"non-finite loss at step {step}: first non-finite output {self.order[pos]} on "
             f"rank {ranks[0]} (there on {len(ranks)} of {len(at)} ranks; loss {loss})"
         )
 
@@ -265,7 +319,29 @@ class RankHooks:
             "grad_reduction": "fsdp" if self.fsdp else "allreduce",
             "load": self.load,
             "plan": self.plan_meter.measured if self.plan_meter is not None else {},
+            "stages": self.stages,  # --pp: this rank's stages, every stage's layers [start, stop)
+            "stage_layers": self.stage_layers,
+            "stage_times": self.stage_times,
+            "pipeline_step_s": self.pipeline_step_s,
+            "trace_origin_ns": self.trace_origin_ns,
         }
+
+
+def layer_names(t: argparse.Namespace) -> list[str]:
+    """The metered layers' names in model order: ``0:kda``, ``0:mlp``, ``1:mla``, ``1:moe``…"""
+    return [n for i, (mixer, mlp) in enumerate(zip(t.mixers, t.mlps, strict=True))
+            for n in (f"{i}:{mixer}", f"{i}:{mlp.replace('dense', 'mlp')}")]  # fmt: skip
+
+
+def held_parts(model: Any) -> list[tuple[Any, range, bool, bool]]:
+    """``(stock causal LM, its decoder layers, holds the embeddings, holds the LM head)`` of
+    what this rank holds: the whole parallelised model, or each of its pipeline stages."""
+    parts = getattr(model, "parts", None)
+    if parts is None:
+        return [(model, range(len(model.model.layers)), True, True)]
+    last = model.num_stages - 1
+    return [(part, model.layers[s], s == 0, s == last)
+            for part, s in zip(parts, model.stages, strict=True)]  # fmt: skip
 
 
 def token_mixer(layer: torch.nn.Module) -> torch.nn.Module:
@@ -366,7 +442,7 @@ def launch_parallel(h: argparse.Namespace, t: argparse.Namespace, argv: list[str
             f.unlink()
     if t.device == "npu" and "ASCEND_RT_VISIBLE_DEVICES" not in os.environ:
         print("note: ASCEND_RT_VISIBLE_DEVICES not set; ranks use NPUs 0..N-1", flush=True)
-    cmd, env = _torchrun(math.prod(t.mesh), argv)
+    cmd, env = _torchrun(t.ranks, argv)
     rc, job = _jobctl.run_job(cmd, env, out, h.job_timeout)
     if rc is None:
         return f"parallel run exceeded --job-timeout {h.job_timeout:g}s; torchrun and all " \
@@ -377,15 +453,23 @@ def launch_parallel(h: argparse.Namespace, t: argparse.Namespace, argv: list[str
 def merge_rank_stats(h: argparse.Namespace, t: argparse.Namespace) -> dict[str, Any]:
     """parallel.json and trace_step.json from every rank's statistics."""
     out = Path(h.out)
-    per_rank = [json.loads(_stats_file(out, r).read_text()) for r in range(math.prod(t.mesh))]
+    per_rank = [json.loads(_stats_file(out, r).read_text()) for r in range(t.ranks)]
+    piped = t.pp > 1
+    # a pipeline: every rank's timeline on one clock (the ranks are local, perf_counter_ns is
+    # the host's monotonic clock), so that the stages' micro-batches line up
+    origin = min(s["trace_origin_ns"] for s in per_rank) if piped else 0
     events: list[Any] = []
     for r, stats in enumerate(per_rank):
-        events.extend(stats["trace"].get("traceEvents", []))
+        shift = (stats["trace_origin_ns"] - origin) / 1000.0 if piped else 0.0
+        for e in stats["trace"].get("traceEvents", []):
+            events.append({**e, "ts": e["ts"] + shift} if "ts" in e else e)
         events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
     (out / "trace_step.json").write_text(json.dumps({"traceEvents": events,
                                                      "displayTimeUnit": "ms"}))  # fmt: skip
     rows = []
-    for name in [*per_rank[0]["layers"], "other"]:
+    # every layer some rank holds, in model order (a pipeline: each on its stage's ranks)
+    held = [n for n in layer_names(t) if any(n in s["layers"] for s in per_rank)]
+    for name in [*held, *["p2p"] * piped, "other"]:
         recv = [int(s["bytes"].get(name, 0)) for s in per_rank]
         # phases that are not timed (the rest of the step) report None, not zero
         fwd = [s["time"][f"{name}|forward"] for s in per_rank if f"{name}|forward" in s["time"]]
@@ -397,17 +481,17 @@ def merge_rank_stats(h: argparse.Namespace, t: argparse.Namespace) -> dict[str, 
                      "fwd_s": max(fwd) if fwd else None,
                      "bwd_s": max(bwd) if bwd else None,
                      "collectives": by_name})  # fmt: skip
-    names = ("cp", "tp") if len(t.mesh) == 2 else ("dp", "cp", "tp")
     load = None
     if per_rank[0]["load"] is not None:  # from_pretrained's report: the folder, each rank's reads
         load = {k: per_rank[0]["load"][k] for k in ("path", "family", "folder_bytes")}
         for k in ("bytes_read", "regions", "tensors", "seconds"):
             load[f"{k}_per_rank"] = [s["load"][k] for s in per_rank]
+    steps = range(len(per_rank[0]["losses"]))
     record = {
         "model": train.model_name(t),
         "family": t.family,
         "load": load,
-        "mesh": dict(zip(names, t.mesh)),
+        "mesh": dict(zip(t.dim_names, t.dims, strict=True)),
         "ep": t.ep,
         "experts": t.experts if "moe" in t.mlps else 0,
         "losses": per_rank[0]["losses"],
@@ -416,19 +500,81 @@ def merge_rank_stats(h: argparse.Namespace, t: argparse.Namespace) -> dict[str, 
         "trace_step": h.trace_step,
         "grad_reduction": per_rank[0]["grad_reduction"],
         "plan_measured": [s["plan"] for s in per_rank],  # _plan_check.PlanMeter's, by rank
-        # per step: every router's loads of the whole batch (the ranks' counts summed) and
-        # its bias after balance_experts (rank 0's; whether every rank has the same)
-        "router_loads": [
-            {n: [sum(c) for c in zip(*(s["router_loads"][i][n] for s in per_rank))] for n in step}
-            for i, step in enumerate(per_rank[0]["router_loads"])
-        ],
-        "router_bias": per_rank[0]["router_bias"],
-        "router_bias_same_on_every_rank": all(
-            s["router_bias"] == per_rank[0]["router_bias"] for s in per_rank
-        ),
+        # per step: every router's loads of the whole batch (the counts of the ranks holding
+        # it summed: every rank, or a pipeline stage's) and its bias after balance_experts
+        # (the first holder's; whether every rank holding it has the same)
+        "router_loads": [summed_loads([s["router_loads"][i] for s in per_rank]) for i in steps],
+        "router_bias": [_first_holder([s["router_bias"][i] for s in per_rank]) for i in steps],
+        "router_bias_same_on_every_rank": same_bias(per_rank),
+        "pipeline": pipeline_record(h, t, per_rank) if piped else None,
     }
     (out / "parallel.json").write_text(json.dumps(record, indent=1))
     return record
+
+
+def summed_loads(ranks: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    """Each router's (token, expert) counts summed over the ranks holding it."""
+    out: dict[str, list[int]] = {}
+    for loads in ranks:
+        for name, counts in loads.items():
+            old = out.get(name, [0] * len(counts))
+            out[name] = [a + b for a, b in zip(old, counts, strict=True)]
+    return out
+
+
+def _first_holder(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The union of ``ranks`` (router -> value), each key's value from the first holding it."""
+    out: dict[str, Any] = {}
+    for d in ranks:
+        for k, v in d.items():
+            out.setdefault(k, v)
+    return out
+
+
+def same_bias(per_rank: list[dict[str, Any]]) -> bool:
+    """Whether every rank holding a router has the same bias after every step."""
+    for i in range(len(per_rank[0]["router_bias"])):
+        first = _first_holder([s["router_bias"][i] for s in per_rank])
+        if any(b != first[n] for s in per_rank for n, b in s["router_bias"][i].items()):
+            return False
+    return True
+
+
+def pipeline_record(h: argparse.Namespace, t: argparse.Namespace,
+                    per_rank: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """The pipeline in parallel.json: each stage's layers, the ranks holding it and its forward
+    and backward time a step (every micro-batch summed; the slowest of its ranks; the mean over
+    the steps timed like the layers: past the first, less the traced one, or the traced one
+    when no other is), and each rank's idle fraction of its ``PipelinedModel.step``."""
+    steps = [s for s in range(1, t.steps) if s != h.trace_step] or [h.trace_step]
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / max(len(values), 1)
+
+    stages = []
+    for st, (start, stop) in enumerate(per_rank[0]["stage_layers"]):
+        holders = [r for r, s in enumerate(per_rank) if st in s["stages"]]
+        times = [[mean([per_rank[r]["stage_times"][i].get(str(st), [0.0, 0.0])[k] for i in steps])
+                  for r in holders] for k in (0, 1)]  # fmt: skip
+        stages.append({"stage": st, "layers": [start, stop], "ranks": holders,
+                       "forward_s": max(times[0], default=0.0),
+                       "backward_s": max(times[1], default=0.0)})  # fmt: skip
+    ranks = []
+    for r, s in enumerate(per_rank):
+        busy = mean([sum(sum(v) for v in s["stage_times"][i].values()) for i in steps])
+        wall = mean([s["pipeline_step_s"][i] for i in steps])
+        ranks.append({"rank": r, "stages": s["stages"], "busy_s": busy, "step_s": wall,
+                      "idle": 1.0 - busy / wall if wall > 0 else None})  # fmt: skip
+    return {
+        "pp": t.pp,
+        "schedule": t.schedule,
+        "microbatches": t.microbatches,
+        "stages_per_rank": t.stages_per_rank,
+        "timed_steps": steps,
+        "stages": stages,
+        "ranks": ranks,
+        "bubble": bubble(t.schedule, t.pp, t.microbatches, t.stages_per_rank),
+    }
 
 
 @dataclass
@@ -505,10 +651,12 @@ class RouterLoads:
     ``balance_experts``' bias step on the routers with an ``e_score_correction_bias``
     (Kimi-Linear's, DeepSeek-V3's; Qwen3-Next's have none)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module | list[torch.nn.Module]) -> None:
+        models = model if isinstance(model, list) else [model]  # a pipeline: this rank's stages
         self.routers = {
             n: m
-            for n, m in model.named_modules()
+            for one in models
+            for n, m in one.named_modules()
             if n.endswith("mlp.gate") and hasattr(m, "num_experts")
         }
         self.loads: dict[str, torch.Tensor] = {}
@@ -596,22 +744,29 @@ def summarize(h: argparse.Namespace, t: argparse.Namespace, record: dict[str, An
     if record.get("load"):
         print(_report.load_lines(record["load"]))
     _report.print_layer_table(record, par_med, ser_med)
-    slower = _report.slower_reason(t.device, math.prod(t.mesh), par_med, ser_med) if ser_med else ""
+    if record.get("pipeline"):
+        print(_report.pipeline_lines(record, train.layer_span, t.mixers))
+    slower = _report.slower_reason(t.device, t.ranks, par_med, ser_med) if ser_med else ""
     if slower:
         print(slower)
     if record.get("plan_measured") and not t.packed and t.autocast == "off":
         step = _plan_check.plan_step(h.trace_step, t.steps)
         config = _plan_check.job_config(t)
+        pipe = record.get("pipeline")
+        stages = [r["stages"] for r in pipe["ranks"]] if pipe else None
         print(_plan_check.plan_lines(config, t, step, record["grad_reduction"],
-                                     record["plan_measured"]))  # fmt: skip
+                                     record["plan_measured"], stages))  # fmt: skip
     mesh = " x ".join(f"{k}={v}" for k, v in record["mesh"].items())
     moe = f", {t.experts} experts over ep={t.ep}" if "moe" in t.mlps else ""
-    what = f"{train.model_name(t)} {','.join(t.mixers)}{moe}, {mesh}"
+    pipe = f", {t.schedule} x {t.microbatches} micro-batches" if t.pp > 1 else ""
+    what = f"{train.model_name(t)} {','.join(t.mixers)}{moe}, {mesh}{pipe}"
     png = out / "loss_curves.png"
     versus = f"max rel diff {rel:.1e} (tol {h.tol:.0e})" if run is not None else "no serial run"
     _report.plot_curves(png, parallel, serial, f"{what}, {versus}")
     trace_json, trace_png = out / "trace_step.json", out / "trace_step.png"
-    plot_trace(json.loads(trace_json.read_text()), trace_png, f"step {h.trace_step}, {what}")
+    xlabel = {"xlabel": "ms since the first event of any rank (one clock)"} if pipe else {}
+    plot_trace(json.loads(trace_json.read_text()), trace_png, f"step {h.trace_step}, {what}",
+               **xlabel)  # fmt: skip
     if run is None:
         print(
             f"\nloss: first {parallel[0]:.4f}, last {parallel[-1]:.4f}; serial comparison "

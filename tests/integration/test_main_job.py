@@ -5,7 +5,8 @@ with a MoE block of 8 experts split over both ranks) and 2 CPU ranks; also the s
 serial model's), ``--packed`` against each document alone, train.py's ``--resume``, and the
 shortest ``--model qwen3-next`` run (a Gated DeltaNet layer with a dense MLP, a gated attention
 layer with 1 key/value head over the 2 ranks and a MoE block with the gated shared expert)
-agreeing with its serial reference.
+agreeing with its serial reference. ``--pp`` (pipeline_model): its options checked in the
+launcher by hp-models' own rules, the stage meter and the pipeline report, without ranks.
 
 Each test starts the job as a user would (the harness launches torchrun itself), with a tag of
 its own in the environment that every process of the job inherits, and afterwards scans /proc
@@ -542,3 +543,142 @@ def test_trace_lanes_nest_compute_and_keep_collectives_apart():
     assert sorted(lanes) == [0, 1] and sorted(lanes[0]) == [0, 1]
     assert [e["name"] for e in lanes[0][1]] == ["a2a:q"]
     assert nesting_depth(lanes[0][0]) == [0, 1, 1, 0]
+
+
+# ---- --pp: the pipeline's options, its stage meter and its report (no ranks: seconds) --------
+# The job itself under --pp (4 ranks, about 1.5 min on 2 cores) is run by hand, see the README:
+# python3 tools/dev.py train --pp 2 --schedule 1F1B --microbatches 4 [--model deepseek-v3]
+
+
+def test_pipeline_options_fail_with_the_library_errors_before_any_rank(capsys):
+    """--pp: a (pp, cp, tp) mesh on 4 ranks by default, one micro-batch row a micro-batch, ep
+    over a stage's ranks; a schedule, stage count or micro-batch count the library refuses
+    fails in the launcher with hp-models' own ValueError; without --pp nothing changes."""
+    import train
+    import train_hybrid
+
+    from hyper_parallel.models.pipeline.schedules import check_schedule
+    from hyper_parallel.models.pipeline.split import balanced_split, check_layer_split
+
+    t = train.parse_args([])  # the default job: no pipeline
+    assert (t.pp, t.mesh, t.dims, t.dim_names, t.ranks, t.batch) == (
+        1, (2, 2), (2, 2), ("cp", "tp"), 4, 2
+    )  # fmt: skip
+    t = train.parse_args(["--pp", "2", "--schedule", "1F1B", "--microbatches", "4"])
+    assert (t.dims, t.dim_names, t.ranks, t.batch, t.ep, t.stages_per_rank) == (
+        (2, 2, 1), ("pp", "cp", "tp"), 4, 4, 2, 1
+    )  # fmt: skip
+    t = train.parse_args(["--pp", "2", "--mesh", "2,1,1", "--schedule", "Interleaved1F1B"])
+    assert (t.dims, t.dim_names, t.stages_per_rank, t.microbatches, t.batch) == (
+        (2, 2, 1, 1), ("pp", "dp", "cp", "tp"), 2, 4, 8
+    )  # fmt: skip
+    assert train.parse_args(["--pp", "2", "--layer-split", "1,3"]).layer_split == [1, 3]
+    assert train_hybrid.parse_args(["--pp", "2"])[2].ranks == 4  # torchrun's ranks
+
+    def library(fn, *args):  # the message hp-models raises for the same options
+        with pytest.raises(ValueError) as exc:
+            fn(*args)
+        return str(exc.value)
+
+    for argv, said in (
+        (["--microbatches", "1"], library(check_schedule, "1F1B", 2, 1, 1)),
+        (["--stages-per-rank", "2"], library(check_schedule, "1F1B", 2, 2, 2)),
+        (["--schedule", "Interleaved1F1B", "--microbatches", "5"],
+         library(check_schedule, "Interleaved1F1B", 2, 2, 5)),
+        (["--schedule", "ZBVZeroBubble", "--microbatches", "2"],
+         library(check_schedule, "ZBVZeroBubble", 2, 2, 2)),
+        (["--schedule", "Interleaved1F1B", "--stages-per-rank", "4"],
+         library(balanced_split, [1.0] * 4, 8)),
+        (["--layer-split", "1,2"], library(check_layer_split, [1, 2], 4, 2)),
+        (["--batch", "3"], "--batch 3 does not divide into microbatches·dp = 2·1 = 2"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit):
+            train_hybrid.parse_args(["--pp", "2", *argv])
+        assert said in capsys.readouterr().err, (argv, said)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--microbatches", "4"])
+    assert "give --pp (>= 2)" in capsys.readouterr().err
+
+
+def test_pipeline_stage_meter_times_and_traces_each_micro_batch():
+    """StageMeter wraps torch's stages as pm.step builds them: each stage's forward and
+    backward summed over the micro-batches, a recorder span per micro-batch, the step's wall
+    time; the trace labels and the report name each stage's layers and ranks."""
+    from _pipeline_meter import StageMeter, bubble
+    from _report import pipeline_lines
+    from _trace_plot import pipeline_label
+    from train import layer_span
+    from train_hybrid import same_bias, summed_loads
+
+    from hyper_parallel.dtensor.recorder import record_events
+
+    class Stage:  # torch's PipelineStage, as far as the meter sees it
+        def __init__(self, index):
+            self.stage_index = index
+
+        def forward_one_chunk(self, chunk, *args):
+            time.sleep(0.002)
+
+        def backward_one_chunk(self, chunk, **kwargs):
+            time.sleep(0.004)
+
+    class Runner:
+        def __init__(self):
+            self._stages = [Stage(0), Stage(2)]
+
+        def step(self):
+            for s in self._stages:
+                for k in range(2):
+                    s.forward_one_chunk(k, ())
+            for s in self._stages:
+                for k in range(2):
+                    s.backward_one_chunk(k, loss=None)
+
+    class Pipelined:  # PipelinedModel: _build makes the runner in the first step
+        _runner = None
+
+        def _build(self):
+            return Runner()
+
+        def step(self):
+            if self._runner is None:
+                self._runner = self._build()
+            self._runner.step()
+
+    pm = Pipelined()
+    meter = StageMeter(pm)
+    with record_events() as rec:
+        meter.recorder = rec
+        pm.step()
+    times = meter.snapshot()
+    assert sorted(times) == ["0", "2"]
+    assert all(f >= 0.004 and b >= 0.008 for f, b in times.values()), times
+    assert meter.step_s >= sum(sum(v) for v in times.values())
+    spans = [e["name"] for e in rec.to_chrome_trace()["traceEvents"] if e.get("ph") == "X"]
+    assert spans[:2] == ["stage 0 mb 0 (forward)", "stage 0 mb 1 (forward)"], spans
+    assert "stage 2 mb 1 (backward)" in spans and len(spans) == 8
+    assert pipeline_label("stage 2 mb 1 (backward)", True) == "s2 B1"
+    assert pipeline_label("stage 0 mb 3 (forward)", False) == "F3"
+    assert bubble("1F1B", 2, 4, 1) == pytest.approx(0.2)
+    assert bubble("ZBVZeroBubble", 2, 4, 2) is None
+    # a pipeline's routers: each on its stage's ranks, loads summed over them
+    assert summed_loads([{"a": [1, 2]}, {"a": [3, 4]}, {"b": [5]}]) == {"a": [4, 6], "b": [5]}
+    ranks = [{"router_bias": [{"a": [0.1]}]}, {"router_bias": [{"b": [0.2]}]}]
+    assert same_bias(ranks) and not same_bias([*ranks, {"router_bias": [{"a": [0.3]}]}])
+    record = {"pipeline": {
+        "pp": 2, "schedule": "1F1B", "microbatches": 4, "stages_per_rank": 1,
+        "timed_steps": [1, 3], "bubble": 0.2,
+        "stages": [{"stage": 0, "layers": [0, 2], "ranks": [0, 1], "forward_s": 0.1,
+                    "backward_s": 0.2},
+                   {"stage": 1, "layers": [2, 4], "ranks": [2, 3], "forward_s": 0.3,
+                    "backward_s": 0.4}],
+        "ranks": [{"rank": r, "stages": [r // 2], "busy_s": 0.3, "step_s": 0.5, "idle": 0.4}
+                  for r in range(4)],
+    }}  # fmt: skip
+    lines = pipeline_lines(record, layer_span, ["kda", "mla", "kda", "mla"]).splitlines()
+    assert lines[1].startswith("pipeline: pp=2, schedule 1F1B, 4 micro-batches a step")
+    assert lines[3].split() == ["0", "0-1", "(kda,", "mla)", "0,1", "100.0", "200.0"]
+    assert lines[5] == (
+        "rank 0 (stage 0): busy 300.0 ms of 500.0 ms in PipelinedModel.step, idle 0.40"
+    )
+    assert lines[-1].endswith("1F1B's bubble with equal stages (p-1)/(m+p-1) = 0.20")
