@@ -14,6 +14,8 @@ from _models_testutil import (
     assert_params_like_serial,
     cp_tp_mesh,
     full64,
+    routers,
+    serial_loads,
     step_all,
 )
 
@@ -45,26 +47,6 @@ def _model(kind):
     return tiny_model(kind, seed=0, **OVERRIDES[kind])
 
 
-def _routers(model):
-    return {n: m for n, m in model.named_modules() if n.endswith("mlp.gate")}
-
-
-def _serial_loads(model, batch):
-    """Per router: the (token, expert) counts of the serial model's routing of the batch."""
-    loads, hooks = {}, []
-    for name, router in _routers(model).items():
-
-        def hook(mod, args, out, name=name):
-            loads[name] = torch.bincount(out[2].reshape(-1), minlength=E).double()
-
-        hooks.append(router.register_forward_hook(hook))
-    with torch.no_grad():
-        model(**batch)
-    for h in hooks:
-        h.remove()
-    return loads
-
-
 def _train(shape, cases):
     world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
     names = ("cp", "tp") if len(shape) == 2 else ("dp", "cp", "tp")
@@ -90,13 +72,13 @@ def _train(shape, cases):
                 ref_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9)
                 torch.testing.assert_close(clip_grad_norm_(model, 1e9), ref_norm, rtol=2e-6, atol=0)
                 # the routers' bias moves by the serial routing of the whole batch
-                before = {n: r.e_score_correction_bias.clone() for n, r in _routers(model).items()}
+                before = {n: r.e_score_correction_bias.clone() for n, r in routers(model).items()}
                 balance_experts(model, RATE)
-                for n, load in _serial_loads(serial, batch).items():
+                for n, load in serial_loads(serial, batch).items():
                     want = before[n] + RATE * torch.sign(load.mean() - load).float()
-                    got = _routers(model)[n].e_score_correction_bias
+                    got = routers(model)[n].e_score_correction_bias
                     torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
-                    _routers(serial)[n].e_score_correction_bias.copy_(got)
+                    routers(serial)[n].e_score_correction_bias.copy_(got)
             step_all(opt, ref_opt)
         assert_params_like_serial(model, serial)
         report.append({

@@ -155,7 +155,6 @@ class PipelinedModel:
         stage_mesh: DeviceMesh,
         microbatches: int,
         spec: ScheduleSpec,
-        pp_rank: int,
     ) -> None:
         self.parts = parts
         self.mesh = mesh
@@ -166,7 +165,6 @@ class PipelinedModel:
         self.microbatches = microbatches
         self.schedule = spec.name
         self._spec = spec
-        self._pp_rank = pp_rank
         self._feed = Feed()
         self._modules = [
             StageModule(part, s, s == 0, s == len(layers) - 1, self._feed)
@@ -529,6 +527,4 @@ def pipeline_model(
     for part in parts:
         apply_parallel(part, stage_mesh, reshard_after_forward=False, **kwargs)
         part._hp_mp_policy = kwargs.get("mp_policy")  # type: ignore[assignment]
-    return PipelinedModel(
-        parts, mesh, mine, ranges, pp_mesh, stage_mesh, microbatches, spec, pp_rank
-    )
+    return PipelinedModel(parts, mesh, mine, ranges, pp_mesh, stage_mesh, microbatches, spec)
