@@ -179,6 +179,10 @@ def _errors(mesh: Any) -> dict[str, str]:
     for name, batch in {
         "batch_not_divisible": random_batch(bsz=3, seq=SEQ),
         "no_target": {**random_batch(bsz=2, seq=SEQ), "labels": torch.full((2, SEQ), -100)},
+        "one_table_two_rows": {
+            **random_batch(bsz=2, seq=SEQ),
+            "cu_seq_lens_q": torch.tensor(DOCS[0]),
+        },
     }.items():
         try:
             pm.step(**batch)
@@ -287,6 +291,7 @@ ERRORS = {
     "pp_not_first": "ValueError: a pipeline mesh has dims ('pp', 'cp', 'tp')",
     "batch_not_divisible": "ValueError: batch size B=3 does not divide into microbatches·dp",
     "no_target": "ValueError: PipelinedModel.step: no label of the global batch is a target",
+    "one_table_two_rows": "ValueError: PipelinedModel.step: ['cu_seq_lens_q'] describe the",
 }
 
 

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from hyper_parallel.dtensor import DeviceMesh, checked_entry, comm
 from hyper_parallel.dtensor.mesh import native_path_available, root_mesh
 from hyper_parallel.models.batch import IGNORE_INDEX, shard_batch
+from hyper_parallel.models.documents import TABLE_KEYS
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import DP_MESH_DIMS, MESH_DIMS, check_mesh, cp_tp
 from hyper_parallel.models.parallelize import _roles, apply_parallel
@@ -282,9 +283,16 @@ class PipelinedModel:
         count = int((labels[:, 1:] != IGNORE_INDEX).sum())
         if count == 0:
             raise ValueError("PipelinedModel.step: no label of the global batch is a target")
+        tables = sorted(k for k in TABLE_KEYS[:2] if batch.get(k) is not None)
+        if tables and m > 1:
+            raise ValueError(
+                f"PipelinedModel.step: {tables} describe the documents of one packed row, but "
+                f"the batch is cut into {m} micro-batches of their own rows; give packed rows "
+                "with position_ids restarting at 0 at every document (each row's documents "
+                "are read from its own positions)"
+            )
         rows = bsz // m
         micro: list[dict[str, Tensor]] = []
-        pos = batch.get("position_ids")
         for k in range(m):
             part = {}
             for key, value in batch.items():
@@ -294,8 +302,6 @@ class PipelinedModel:
                     part[key] = value[k * rows : (k + 1) * rows]
                 else:
                     part[key] = value
-            if pos is None:
-                part.pop("position_ids", None)
             micro.append(shard_batch(part, self.stage_mesh))
         return micro, count
 
