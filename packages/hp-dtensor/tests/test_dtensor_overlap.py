@@ -297,3 +297,47 @@ def test_an_anchor_runs_the_gradient_collective_on_a_rank_whose_input_needs_no_g
     torch.testing.assert_close(r1["y"], x.detach()[1:], **TOL)
     # the anchor's gradient is None: rank 1's weight gets none
     assert r1["dw"] is None and r0["dw"] is not None
+
+
+class _Local:
+    """An exchange without communication (identity), logging into ``log``: the in-flight
+    points' order needs no process group."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.x, self.g = log, None, None
+
+    def start(self, x: torch.Tensor) -> None:
+        self.log.append("start")
+        self.x = x
+
+    def finish(self) -> torch.Tensor:
+        self.log.append("finish")
+        return self.x.clone()
+
+    def start_grad(self, grad: torch.Tensor) -> None:
+        self.log.append("start_grad")
+        self.g = grad
+
+    def finish_grad(self) -> torch.Tensor:
+        self.log.append("finish_grad")
+        return self.g.clone()
+
+
+def test_in_flight_hook_runs_between_each_start_and_its_wait_both_ways() -> None:
+    log: list[str] = []
+    ex = _Local(log)
+    x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    with overlap.in_flight_hook(lambda: log.append("hook")):
+        with pytest.raises(RuntimeError, match="already installed"):
+            with overlap.in_flight_hook(lambda: None):
+                pass
+        y = overlap.wait(ex, overlap.launch(ex, x))
+        z = overlap.blocking(ex, y)  # the one-node twin has no in-flight point
+        (z * 2).sum().backward()
+    assert log == [
+        "start", "hook", "finish", "start", "finish",
+        "start_grad", "finish_grad", "start_grad", "hook", "finish_grad",
+    ]  # fmt: skip
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    overlap.in_flight()  # no hook installed: nothing runs
+    assert log[-1] == "finish_grad"

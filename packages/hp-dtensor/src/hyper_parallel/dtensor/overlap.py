@@ -19,16 +19,52 @@ when ``x`` itself does not require grad on some rank (a rank with no rows to sen
 run the backward collective that other ranks' gradients need): their gradient is ``None``.
 Layers using the pair: hp-context-parallel (MLA's all-to-alls), hp-kda-kernels (the halo and
 the state exchange) and hp-moe (dispatch and combine).
+
+**In-flight points.** Right after :func:`launch` starts an exchange (forward) and right after
+:func:`wait`'s backward starts the gradient's (backward), the pair calls :func:`in_flight`: a
+collective of this rank is in flight and nothing of this computation needs it yet. By default
+that does nothing. A micro-batch runner that interleaves two micro-batches (hp-models'
+forward/backward overlap) installs a hook with :func:`in_flight_hook` that runs the *other*
+micro-batch's work there, so each one's exchanges are in flight under the other's compute. The
+points come in graph order, the same on every rank, so a runner that switches at them issues
+every collective in the same order on every rank. A layer that starts a collective by other
+means may call :func:`in_flight` itself, after the start and before the wait.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from torch import Tensor
 from torch.autograd import Function
 
-__all__ = ["Exchange", "blocking", "launch", "wait"]
+__all__ = ["Exchange", "blocking", "in_flight", "in_flight_hook", "launch", "wait"]
+
+_hook: Callable[[], None] | None = None
+
+
+def in_flight() -> None:
+    """Mark a point where one of this rank's collectives is in flight (started, not yet
+    waited): runs the hook of :func:`in_flight_hook`, if one is installed; else nothing."""
+    if _hook is not None:
+        _hook()
+
+
+@contextlib.contextmanager
+def in_flight_hook(hook: Callable[[], None]) -> Iterator[None]:
+    """Run ``hook()`` at every :func:`in_flight` point inside the ``with`` block, on whatever
+    thread reaches it (autograd may run a backward on its own device thread). Process-wide, not
+    thread-local; hooks do not nest (``RuntimeError``)."""
+    global _hook
+    if _hook is not None:
+        raise RuntimeError("in_flight_hook: a hook is already installed (they do not nest)")
+    _hook = hook
+    try:
+        yield
+    finally:
+        _hook = None
 
 
 class Exchange(Protocol):
@@ -56,6 +92,7 @@ class _Launch(Function):
     def forward(ctx: Any, ex: Exchange, x: Tensor, *anchors: Tensor) -> Tensor:  # type: ignore[override]
         ex.start(x)
         ctx.ex, ctx.anchors = ex, len(anchors)
+        in_flight()
         return x.new_empty(0)
 
     @staticmethod
@@ -72,6 +109,7 @@ class _Wait(Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
         ctx.ex.start_grad(grad.contiguous())
+        in_flight()
         return None, grad.new_empty(0)
 
 
