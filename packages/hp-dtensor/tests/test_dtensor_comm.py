@@ -93,6 +93,15 @@ def rank_comm() -> dict:
     except RuntimeError as e:
         out["leak"] = str(e)
     leak.wait()
+    # a collective in flight on another lane (an interleaved computation) is not this lane's leak
+    previous = comm.set_lane(1)
+    other = comm.start_all_gather(x, 0, g, "all_gather:lane1", "forward", "leaky")
+    comm.set_lane(2)
+    out["other_lane"] = comm.leaked_by("leaky")
+    comm.set_lane(1)
+    out["own_lane"] = comm.leaked_by("leaky")
+    comm.set_lane(previous)
+    other.wait()
     errors = {}
     mesh2 = init_device_mesh("cpu", (p // 2, 2), mesh_dim_names=("a", "b")) if p >= 4 else None
     for name, bad in (("2-D", mesh2), ("object", object())):
@@ -227,6 +236,7 @@ def test_every_start_equals_torchs_collective_and_is_recorded_once(four_ranks):
         assert r["profiled"] == ["hp.comm.launch a2a:profiled", "hp.comm.wait a2a:profiled"]
         assert r["solo"] == (True, [0])
         assert "all_gather:leak2 (forward)" in r["leak"] and "leak (" not in r["leak"]
+        assert r["other_lane"] == [] and r["own_lane"] == ["all_gather:lane1 (forward)"]
         if world == 4:
             assert r["errors"]["2-D"].startswith("ValueError: the test needs a 1-D mesh")
         assert r["errors"]["object"].startswith("TypeError: expected a 1-D DeviceMesh")

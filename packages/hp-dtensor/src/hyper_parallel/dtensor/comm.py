@@ -53,6 +53,7 @@ __all__ = [
     "all_to_all_v_bytes",
     "leak_message",
     "leaked_by",
+    "set_lane",
     "link_bytes",
     "pending_collectives",
     "raise_if_pending",
@@ -67,7 +68,8 @@ __all__ = [
     "start_send",
 ]
 
-_PENDING: dict[int, tuple[str, str]] = {}  # id -> (owner, description)
+_PENDING: dict[int, tuple[str, str, int]] = {}  # id -> (owner, description, lane)
+_LANE = 0  # which interleaved computation is running (0: none interleaved)
 _IDS = itertools.count(1)
 
 
@@ -150,12 +152,24 @@ def resolve_group(mesh: Any, what: str = "this layer") -> Group:
 # ---- the pending registry ---------------------------------------------------------------------
 def pending_collectives() -> list[str]:
     """Descriptions of the collectives started through this module and not waited yet."""
-    return [desc for _, desc in _PENDING.values()]
+    return [desc for _, desc, _ in _PENDING.values()]
+
+
+def set_lane(lane: int) -> int:
+    """Mark which of several interleaved computations runs from now on (returns the previous
+    mark; 0: none). A micro-batch runner that interleaves two computations at their in-flight
+    points (``overlap.in_flight``) sets it on each switch, so that one computation's
+    collectives in flight are not taken for the other's leaks (:func:`leaked_by` looks at the
+    running lane only)."""
+    global _LANE
+    previous, _LANE = _LANE, lane
+    return previous
 
 
 def leaked_by(owner: str) -> list[str]:
-    """Forget and return (sorted) the collectives of ``owner`` that are still pending."""
-    ids = [i for i, (o, _) in _PENDING.items() if o == owner]
+    """Forget and return (sorted) the collectives of ``owner`` that are still pending, among
+    those started by the running lane (:func:`set_lane`)."""
+    ids = [i for i, (o, _, lane) in _PENDING.items() if o == owner and lane == _LANE]
     return sorted(_PENDING.pop(i)[1] for i in ids)
 
 
@@ -205,7 +219,7 @@ class Work:
         self._done = False
         self._id = next(_IDS)
         self._op_id = -1
-        _PENDING[self._id] = (owner, f"{name} ({phase})")
+        _PENDING[self._id] = (owner, f"{name} ({phase})", _LANE)
         rec = _rec._ACTIVE
         if rec is not None:
             self._op_id = rec.new_op_id()
