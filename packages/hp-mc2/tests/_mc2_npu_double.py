@@ -3,7 +3,8 @@
 Same signatures as torch_npu 2.14 (positional ``input, x2, hcom, world_size``, everything
 after ``world_size`` keyword-only), the same constraint checks with the same wording as
 ``hyper_parallel.mc2.npu_constraint_failure``, real gloo communication underneath
-(``hcom`` names map back to process groups) and fp32 compute. It is written independently of
+(``hcom`` names map back to process groups: hp-dtensor's ``NpuDouble``, its base) and fp32
+compute. It is written independently of
 the package's checks so a test comparing the two catches drift. Every call is recorded, so
 tests can assert which operand was transposed and which keywords were passed.
 """
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hyper_parallel.dtensor.npu_double import NpuDouble
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -37,25 +40,16 @@ class Call:
 
 
 @dataclass
-class GlooMC2Double:
-    """Implements :class:`hyper_parallel.mc2.NpuOps` on CPU tensors over gloo."""
+class GlooMC2Double(NpuDouble):
+    """Implements :class:`hyper_parallel.mc2.NpuOps` on CPU tensors over gloo (``available``,
+    ``comm_name`` and ``group_of`` from :class:`~hyper_parallel.dtensor.npu_double.NpuDouble`)."""
 
     sizes: frozenset[int] = frozenset({2, 4, 8})
     device_type: str = "cpu"
     calls: list[Call] = field(default_factory=list)
-    _groups: dict[str, Any] = field(default_factory=dict)
-
-    def available(self) -> str | None:
-        return None
 
     def world_sizes(self) -> frozenset[int]:
         return self.sizes
-
-    def comm_name(self, group: Any) -> str:
-        group = group or dist.group.WORLD
-        name = f"hcom-double-{dist.get_process_group_ranks(group)}"
-        self._groups[name] = group
-        return name
 
     # --- the kernels -----------------------------------------------------------------------
 
@@ -84,9 +78,10 @@ class GlooMC2Double:
             raise fail("x1 must be contiguous (a transposed x1 is not supported)")
         if not (x2.is_contiguous() or x2.t().is_contiguous()):
             raise fail("x2 must be contiguous or a transposed view of a contiguous tensor")
-        group = self._groups.get(hcom)
-        if group is None:
-            raise fail(f"unknown hcom {hcom!r}")
+        try:
+            group = self.group_of(hcom)
+        except KeyError:
+            raise fail(f"unknown hcom {hcom!r}") from None
         if dist.get_world_size(group) != ws:
             raise fail(
                 f"world_size={ws} but the communicator has {dist.get_world_size(group)} ranks"

@@ -289,3 +289,46 @@ def test_default_provider_reports_missing_torch_npu_without_importing_it():
     reason = ops.available()
     assert reason is not None and reason.startswith("torch_npu is not")
     assert ops.device_type == "npu"
+
+
+class _NoScatterDouble(GlooMC2Double):
+    npu_mm_reduce_scatter_base = None  # a torch_npu without the second kernel
+
+
+def _through_the_dtensor_seam() -> dict:
+    """A double installed with hp-dtensor's ``use_npu_ops`` (not hp-mc2's name for it) is the
+    provider hp-mc2's ``npu`` implementation calls."""
+    import hyper_parallel.dtensor.npu as seam
+    import hyper_parallel.mc2 as mc2
+
+    x = torch.ones(2, K, dtype=torch.bfloat16)
+    w = torch.ones(K, K, dtype=torch.bfloat16)
+    double = GlooMC2Double()
+    with seam.use_npu_ops(double):
+        seen = mc2.current_npu_ops()
+        choice = select_backend("all_gather_matmul", x, w, None)
+        y = all_gather_matmul(x, w, None, impl="npu")
+    with seam.use_npu_ops(_NoScatterDouble()):
+        missing = select_backend("all_gather_matmul", x, w, None)
+    return {
+        "same_functions": (
+            mc2.current_npu_ops is seam.current_npu_ops
+            and mc2.use_npu_ops is seam.use_npu_ops
+            and mc2.hccl_comm_name is seam.hccl_comm_name
+        ),
+        "seen": seen is double,
+        "choice": choice,
+        "ops": [c.op for c in double.calls],
+        "y": y.float().unique().tolist(),
+        "missing": missing,
+    }
+
+
+def test_a_double_installed_through_hp_dtensor_is_what_the_npu_impl_calls():
+    for res in run_distributed(_through_the_dtensor_seam, 2, timeout=TIMEOUT):
+        assert res["same_functions"] and res["seen"]
+        assert res["choice"][0] == "npu", res["choice"]
+        assert res["ops"] == ["npu_all_gather_base_mm"]
+        assert res["y"] == [float(K)]
+        # the availability check asks for both MC2 kernels by name
+        assert res["missing"] == ("torch", "_NoScatterDouble has no npu_mm_reduce_scatter_base")

@@ -23,7 +23,13 @@ from hyper_parallel.mc2.impls import select_backend
 from hyper_parallel.mc2.linear import MC2Linear, MC2Parallel
 from hyper_parallel.mc2.mlp import mlp_block
 from hyper_parallel.mc2.mlp_style import MC2MLPParallel
-from hyper_parallel.mc2.npu_ops import NpuOps, TorchNpuOps, hccl_comm_name, use_npu_ops
+from hyper_parallel.mc2.npu_ops import (
+    NpuOps,
+    TorchNpuOps,
+    current_npu_ops,
+    hccl_comm_name,
+    use_npu_ops,
+)
 from hyper_parallel.mc2.parallelized import is_mc2_parallel, unparallelize_mc2
 from hyper_parallel.mc2.styles import MC2ColwiseParallel, MC2RowwiseParallel
 
@@ -39,6 +45,7 @@ __all__ = [
     "__version__",
     "all_gather_matmul",
     "all_gather_matmul_reference",
+    "current_npu_ops",
     "default_chunks",
     "gated_mlp",
     "gated_mlp_reference",

@@ -1,9 +1,10 @@
 """``impl="npu"``: :class:`NpuFusedImpl`, the two torch_npu MC2 fused kernels
 (``npu_all_gather_base_mm``, ``npu_mm_reduce_scatter_base``), each dual's forward the one kernel
 and its backward the other (the dual kernel), and their constraints
-(:func:`npu_constraint_failure`). The kernels come from the provider of
-:mod:`hyper_parallel.mc2.npu_ops`, captured at forward (a test double on CPU, torch_npu on an
-NPU). The bias is always added outside the kernels (they only accept a zero bias)."""
+(:func:`npu_constraint_failure`). The kernels come from the process's torch_npu provider
+(:mod:`hyper_parallel.mc2.npu_ops`, on hp-dtensor's seam), captured at forward (a test double on
+CPU, torch_npu on an NPU). The bias is always added outside the kernels (they only accept a zero
+bias)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from hyper_parallel.dtensor.npu import NpuProvider, current_npu_ops
 from hyper_parallel.mc2._collectives import all_gather_async
 from hyper_parallel.mc2._hidden import Act, backward_activation, hidden
 from hyper_parallel.mc2._operands import Op, dtype_name
-from hyper_parallel.mc2.npu_ops import NpuOps, current_npu_ops
+from hyper_parallel.mc2.npu_ops import MC2_OPS, world_sizes
 
 if TYPE_CHECKING:
     from hyper_parallel.mc2.impls import Call, Grad
@@ -29,14 +31,19 @@ _NPU_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def npu_constraint_failure(
-    op: Op, x: torch.Tensor, weight: torch.Tensor, world_size: int, ops: NpuOps | None = None
+    op: Op,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    world_size: int,
+    ops: NpuProvider | None = None,
 ) -> str | None:
     """``None`` when the torch_npu MC2 kernels can run ``op`` forward and backward, else the
     first constraint that fails, worded like the kernels' own checks."""
-    ops = ops or current_npu_ops()
+    if ops is None:
+        ops = current_npu_ops()
     if x.device.type != ops.device_type:
         return f"tensors are on {x.device.type}, not {ops.device_type}"
-    unavailable = ops.available()
+    unavailable = ops.available(ops=MC2_OPS)
     if unavailable:
         return unavailable
     if x.dtype not in _NPU_DTYPES:
@@ -46,7 +53,7 @@ def npu_constraint_failure(
             f"x is {dtype_name(x.dtype)} but weight is {dtype_name(weight.dtype)}; "
             "the NPU kernels need equal dtypes"
         )
-    sizes = ops.world_sizes()
+    sizes = world_sizes(ops)
     if world_size not in sizes:
         return f"world size {world_size} not in {{{', '.join(map(str, sorted(sizes)))}}}"
     k = x.shape[1]
@@ -66,7 +73,7 @@ def npu_constraint_failure(
 class _Kernels:
     """A forward's state for its backward: the provider and communicator it ran with."""
 
-    ops: NpuOps
+    ops: NpuProvider
     hcom: str
     group: Any
     ws: int
