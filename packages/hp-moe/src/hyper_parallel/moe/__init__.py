@@ -5,13 +5,25 @@
 the module on its own tokens and gets what the stock module with every expert gives, forward and
 every gradient. :func:`moe_block_forward` runs a whole stock MoE block (router, split experts,
 shared experts, gated or not, under the first dispatch; :mod:`hyper_parallel.moe.block`).
-Dispatch and combine are all-to-alls with split sizes (hp-dtensor's ``comm``),
-chunked so that they run under the expert GEMMs (:mod:`hyper_parallel.moe.schedule`); the local
-expert work is one backend class per device (:mod:`hyper_parallel.moe.local`).
+Dispatch and combine are the steps of a dispatcher (:mod:`hyper_parallel.moe.dispatch`: by
+default all-to-alls with split sizes through hp-dtensor's ``comm``; the torch_npu ones in
+:mod:`hyper_parallel.moe.npu_dispatch`), chunked so that they run under the expert GEMMs
+(:mod:`hyper_parallel.moe.schedule`); the local expert work is one backend class per device
+(:mod:`hyper_parallel.moe.local`).
 """
 
 from hyper_parallel.moe._version import __version__
 from hyper_parallel.moe.block import moe_block_forward, shared_work
+from hyper_parallel.moe.dispatch import (
+    DISPATCHERS,
+    AllToAllDispatcher,
+    Capabilities,
+    Dispatcher,
+    DispatchHandle,
+    register_dispatcher,
+    resolve_dispatcher,
+    static_refusal,
+)
 from hyper_parallel.moe.form import FORM, ExpertsShape, experts_shape
 from hyper_parallel.moe.local import IMPLS, LocalExperts, select_impl
 from hyper_parallel.moe.npu_ops import (  # importing it registers the "npu" backend
@@ -39,8 +51,13 @@ from hyper_parallel.moe.schedule import (
 
 __all__ = [
     "AUTO_MAX_CHUNKS",
+    "DISPATCHERS",
     "FORM",
     "IMPLS",
+    "AllToAllDispatcher",
+    "Capabilities",
+    "DispatchHandle",
+    "Dispatcher",
     "ExpertsShape",
     "ForwardStats",
     "LocalExperts",
@@ -58,9 +75,12 @@ __all__ = [
     "is_experts_parallel",
     "moe_block_forward",
     "parallelize_experts",
+    "register_dispatcher",
+    "resolve_dispatcher",
     "run_experts",
     "select_impl",
     "shared_work",
+    "static_refusal",
     "unparallelize_experts",
     "use_npu_ops",
 ]

@@ -29,6 +29,7 @@ from hyper_parallel.dtensor.rewrite import (
     parallel_state,
     uninstall_forward,
 )
+from hyper_parallel.moe.dispatch import check_static, dispatcher_label, resolve_dispatcher
 from hyper_parallel.moe.form import ExpertsShape, experts_shape
 from hyper_parallel.moe.local import IMPLS
 from hyper_parallel.moe.schedule import (
@@ -62,16 +63,18 @@ class _EPState:
     impl: str
     chunks: int | str
     overlap: bool
+    dispatcher: Any = "alltoall"
     last: ForwardStats | None = field(default=None)
 
 
-def _check_options(impl: Any, chunks: Any, overlap: Any) -> None:
+def _check_options(impl: Any, chunks: Any, overlap: Any, dispatcher: Any = "alltoall") -> None:
     if impl != "auto" and impl not in IMPLS:
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLS)}, got {impl!r}")
     if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(f"chunks must be 'auto' or an int >= 1, got {chunks!r}")
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap must be a bool, got {overlap!r}")
+    resolve_dispatcher(dispatcher)  # ValueError: an unknown name; TypeError: not a dispatcher
 
 
 def _weight(name: str) -> Callable[[Any], Any]:
@@ -85,6 +88,7 @@ def _weight(name: str) -> Callable[[Any], Any]:
     extra={
         "ep_ranks": lambda args: rank_list(args.ep_mesh),
         "class": lambda args: type(args.experts).__name__,
+        "dispatcher": lambda args: dispatcher_label(args.dispatcher),
         **{name: _weight(name) for name in _WEIGHTS},
     },
 )
@@ -95,6 +99,7 @@ def parallelize_experts(
     impl: str = "auto",
     chunks: int | str = "auto",
     overlap: bool = True,
+    dispatcher: Any = "alltoall",
 ) -> _M:
     """Split the experts of a stock experts module over the 1-D ``ep_mesh`` (in place; returns
     the module).
@@ -105,18 +110,24 @@ def parallelize_experts(
     (``"auto"``, ``"torch"``, ``"grouped_mm"``, ``"npu"``; :func:`~hyper_parallel.moe.select_impl`).
     ``chunks``: how many chunks the rows are dispatched, computed and combined in (``"auto"``:
     :func:`~hyper_parallel.moe.choose_chunks`, from shapes and device type). ``overlap=False``
-    runs the blocking twin (every exchange waited at once).
+    runs the blocking twin (every exchange waited at once). ``dispatcher``: how rows reach
+    their experts and come back (:mod:`hyper_parallel.moe.dispatch`): a registered name
+    (``"alltoall"``, the default; ``"npu_permute"``, ``"npu_fused_gmm"``, ``"npu_distribute"``)
+    or a dispatcher object; its static capabilities (device type of the weights, ep size,
+    local experts, hidden size) are checked here.
 
     Raises, on every rank and before any collective: ``TypeError`` for a module of another
-    form; ``ValueError`` for an n-D mesh, ``E`` not divisible by the mesh size, a bad option;
-    ``RuntimeError`` for a module already parallelized (by this layer or another).
+    form or a ``dispatcher`` object without the dispatcher steps; ``ValueError`` for an n-D
+    mesh, ``E`` not divisible by the mesh size, a bad option (an unknown dispatcher name), a
+    dispatcher that cannot run these experts (naming the limit); ``RuntimeError`` for a module
+    already parallelized (by this layer or another).
 
     Consistency mode (hp-dtensor's README, "Ranks that disagree"): the ranks of ``ep_mesh``
     compare the options, the mesh's ranks, the module's class and its weights; each forward
     compares the hidden size and dtypes (not ``N``), the options, the ep ranks and whether
     autograd records."""
     shape = experts_shape(experts)
-    _check_options(impl, chunks, overlap)
+    _check_options(impl, chunks, overlap, dispatcher)
     if is_parallelized(experts):
         raise RuntimeError(
             f"parallelize_experts: this {type(experts).__name__} is already parallelized; "
@@ -128,6 +139,8 @@ def parallelize_experts(
             f"parallelize_experts: {shape.num_experts} experts cannot be split evenly over an "
             f"ep mesh of {group.size} ranks (E must be divisible by ep)"
         )
+    device = cast(Any, experts).gate_up_proj.device.type
+    check_static(resolve_dispatcher(dispatcher), device, group.size, shape, "parallelize_experts")
     e_l = shape.num_experts // group.size
     lo = group.rank * e_l
     for name in _WEIGHTS:
@@ -135,7 +148,7 @@ def parallelize_experts(
         local = p.detach()[lo : lo + e_l].clone()
         shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
         setattr(experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
-    state = _EPState(ep_mesh, group, shape, impl, chunks, overlap)
+    state = _EPState(ep_mesh, group, shape, impl, chunks, overlap, dispatcher)
     return cast(_M, install_forward(experts, LAYER, state, _make_forward, prefix="EP"))
 
 
@@ -157,6 +170,7 @@ def _forward_fields(args: Any) -> dict[str, Any]:
         "impl": st.impl,
         "chunks": st.chunks,
         "overlap": st.overlap,
+        "dispatcher": dispatcher_label(st.dispatcher),
         "ep_ranks": st.group.ranks,
         "grad": torch.is_grad_enabled(),
         "alongside": args.alongside is not None,
@@ -177,7 +191,7 @@ def _parallel_call(
     out, st.last = run(
         hidden_states, top_k_index, top_k_weights, gate_up, down, cast(Any, self.act_fn), st.group,
         impl=st.impl, chunks=st.chunks, what=f"parallel experts ({type(self).__name__})",
-        alongside=alongside,
+        alongside=alongside, dispatcher=st.dispatcher,
     )  # fmt: skip
     return out, st.last.alongside
 
@@ -252,8 +266,9 @@ def expert_counts(experts: nn.Module) -> Tensor:
 
 def experts_info(experts: nn.Module) -> dict[str, Any]:
     """The options of a parallelized experts module and what its last forward chose: ``ep``,
-    ``experts`` (E), ``local_experts`` (this rank's ids), ``impl``/``impl_reason`` and
-    ``chunks``/``chunks_reason`` (after a forward), ``rows`` (rows each local expert computed)."""
+    ``experts`` (E), ``local_experts`` (this rank's ids), ``dispatcher`` (its name) and its
+    ``capabilities``, ``impl``/``impl_reason`` and ``chunks``/``chunks_reason`` (after a
+    forward), ``rows`` (rows each local expert computed)."""
     st = _state(experts, "experts_info")
     e_l = st.shape.num_experts // st.group.size
     info: dict[str, Any] = {
@@ -263,6 +278,8 @@ def experts_info(experts: nn.Module) -> dict[str, Any]:
         "impl": st.impl,
         "chunks": st.chunks,
         "overlap": st.overlap,
+        "dispatcher": resolve_dispatcher(st.dispatcher).name,
+        "capabilities": resolve_dispatcher(st.dispatcher).capabilities,
     }
     if st.last is not None:
         info.update(

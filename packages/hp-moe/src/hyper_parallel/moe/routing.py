@@ -15,10 +15,15 @@ From the gathered ``[P, E + 2]`` every rank derives, identically:
   ``q`` of ``n`` rows: ``⌊q·n/C⌋ … ⌊(q+1)·n/C⌋``); chunk q is slice q of every pair, so its
   per-expert counts follow from ``c`` alone, with no further exchange;
 - the global per-expert counts ``Σ_s c[s, e]`` (:func:`~hyper_parallel.moe.expert_counts`).
+
+A dispatcher (:mod:`hyper_parallel.moe.dispatch`) folds its per-call limits into the verdict
+(codes :data:`TOKENS_OVER`, :data:`TOKENS_UNDER`, :data:`DTYPE_REFUSED`, :data:`INFERENCE_ONLY`
+with its own wording, ``reasons``), so they too raise on every rank before any row moves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +31,15 @@ from torch import Tensor
 
 from hyper_parallel.dtensor import comm
 
-__all__ = ["Plan", "exchange_counts", "local_verdict"]
+__all__ = [
+    "DTYPE_REFUSED",
+    "INFERENCE_ONLY",
+    "TOKENS_OVER",
+    "TOKENS_UNDER",
+    "Plan",
+    "exchange_counts",
+    "local_verdict",
+]
 
 OWNER = "hp-moe"
 
@@ -38,6 +51,8 @@ _VERDICTS = {
     4: "hidden is not [N, H] with H the experts' hidden size",
     5: "hidden's dtype differs from the expert weights' (outside autocast)",
 }
+# verdict codes a dispatcher gives its per-call limits (the wording is the dispatcher's)
+TOKENS_OVER, TOKENS_UNDER, DTYPE_REFUSED, INFERENCE_ONLY = 6, 7, 8, 9
 _DTYPES = [
     torch.float64,
     torch.float32,
@@ -155,18 +170,46 @@ class Plan:
         counts = [sum(n for _, n in seg) for seg in segments]
         return counts, [piece for seg in segments for piece in seg]
 
+    def expert_splits(self, s: int, j: int, q: int) -> list[int]:
+        """Chunk q of the rows rank s sends rank j, per local expert of j ``[E_l]`` (the pair's
+        rows are ordered by expert, so the slice's counts follow from ``c`` alone)."""
+        owned = self._owned(s, j)
+        a, b = self.slice_bounds(sum(owned), q)
+        out, lo = [], 0
+        for n in owned:
+            out.append(max(0, min(lo + n, b) - max(lo, a)))
+            lo += n
+        return out
+
+    def send_counts_by_expert(self, q: int) -> list[int]:
+        """Chunk q's dispatch rows to each (rank j, local expert of j), ``[P·E_l]`` j-major."""
+        return [n for j in range(self.size) for n in self.expert_splits(self.rank, j, q)]
+
+    def recv_counts_by_expert(self, q: int) -> list[int]:
+        """Chunk q's dispatch rows from each (rank s, local expert), ``[P·E_l]`` s-major."""
+        return [n for s in range(self.size) for n in self.expert_splits(s, self.rank, q)]
+
+    def tokens(self, s: int, top_k: int) -> int:
+        """Rank s's token count ``N`` (its pairs over ``K``)."""
+        return sum(self.counts[s]) // max(top_k, 1)
+
     def global_counts(self) -> list[int]:
         """Pairs routed to each expert over the group ``[E]``."""
         return [sum(col) for col in zip(*self.counts)]
 
 
-def _raise_verdicts(codes: list[int], dtypes: list[int], what: str) -> None:
+def _raise_verdicts(
+    codes: list[int], dtypes: list[int], what: str, reasons: Mapping[int, str] | None = None
+) -> None:
     bad: dict[int, list[int]] = {}
     for rank, code in enumerate(codes):
         if code:
             bad.setdefault(code, []).append(rank)
     if bad:
-        parts = "; ".join(f"ranks {ranks}: {_VERDICTS[c]}" for c, ranks in sorted(bad.items()))
+        known = {**_VERDICTS, **(reasons or {})}
+        parts = "; ".join(
+            f"ranks {ranks}: {known.get(c, f'verdict {c}')}" for c, ranks in sorted(bad.items())
+        )
         raise ValueError(f"{what}: {parts} (raised on every rank of the ep group)")
     if len(set(dtypes)) > 1:
         by: dict[str, list[int]] = {}
@@ -186,10 +229,12 @@ def exchange_counts(
     group: comm.Group,
     chunks: int,
     what: str,
+    reasons: Mapping[int, str] | None = None,
 ) -> Plan:
     """All-gather this rank's per-expert counts with its verdict and row dtype (the one host
     sync), raise the same error on every rank if any rank's verdict is bad, and return the
-    plan. ``chunks``: C (validated by the caller)."""
+    plan. ``chunks``: C (validated by the caller); ``reasons``: the wording of verdict codes
+    beyond the input checks' (a dispatcher's per-call limits; the same on every rank)."""
     vec = torch.zeros(num_experts + 2, dtype=torch.int64, device=top_k_index.device)
     if verdict == 0 and top_k_index.numel():
         flat = top_k_index.reshape(-1)
@@ -205,6 +250,7 @@ def exchange_counts(
         table = every.wait().tolist()
     else:
         table = [vec.tolist()]
-    _raise_verdicts([row[num_experts] for row in table], [row[-1] for row in table], what)
+    codes = [row[num_experts] for row in table]
+    _raise_verdicts(codes, [row[-1] for row in table], what, reasons)
     counts = tuple(tuple(int(n) for n in row[:num_experts]) for row in table)
     return Plan(counts, group.rank, group.size, num_experts // group.size, chunks)
