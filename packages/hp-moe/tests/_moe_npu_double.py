@@ -14,17 +14,20 @@ float32 and the result cast back. ``npu_grouped_matmul`` computes in float32 (fl
 inputs) and, like torch_npu, has **no derivative**: an output of inputs that require grad
 raises on backward ("derivative for npu_grouped_matmul is not implemented", the message torch
 gives ops without a derivative formula). Every call is recorded (op, shapes, dtypes, keywords,
-whether the weight was a transposed view).
+whether the weight was a transposed view). The base, hp-dtensor's ``NpuDouble``, makes it a
+provider on hp-dtensor's torch_npu seam: ``available(ops)`` names the ops it does not define.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from hyper_parallel.dtensor.npu_double import NpuDouble
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _NAMES = {
@@ -72,15 +75,15 @@ class _NoDerivative(torch.autograd.Function):
 
 
 @dataclass
-class NpuMoeOpsDouble:
+class NpuMoeOpsDouble(NpuDouble):
     """Implements :class:`hyper_parallel.moe.NpuMoeOps` on CPU tensors."""
 
     device_type: str = "cpu"
     unavailable_reason: str | None = None
     calls: list[Call] = field(default_factory=list)
 
-    def available(self) -> str | None:
-        return self.unavailable_reason
+    def available(self, ops: Iterable[str] = ()) -> str | None:
+        return self.unavailable_reason or super().available(ops)
 
     def ops(self) -> list[str]:
         return [c.op for c in self.calls]

@@ -1,10 +1,12 @@
-"""The ``npu`` local backend (:class:`NpuExperts`) and its seam to torch_npu's MoE ops.
+"""The ``npu`` local backend (:class:`NpuExperts`) and what it needs of torch_npu's MoE ops.
 
-The backend never imports ``torch_npu`` itself: it asks the active *provider*
-(:func:`current_npu_ops`, a :class:`NpuMoeOps`) for three ops with torch_npu's signatures. The
-default provider, :class:`TorchNpuOps`, imports ``torch_npu`` on first use, and only once it is
-asked about tensors on an NPU (a CPU machine never touches it). Tests install a double with
-:func:`use_npu_ops` to drive the same code on CPU.
+The backend never imports ``torch_npu`` itself: it asks the process's provider on hp-dtensor's
+one torch_npu seam (:mod:`hyper_parallel.dtensor.npu`; :func:`current_npu_ops`, the same one
+for every layer) for three ops with torch_npu's signatures (availability asked by name:
+:data:`MOE_OPS`). The default provider, :class:`TorchNpuOps` (hp-dtensor's ``TorchNpu``),
+imports ``torch_npu`` on first use, and only once it is asked about tensors on an NPU (a CPU
+machine never touches it). Tests install a double with :func:`use_npu_ops` to drive the same
+code on CPU. ``current_npu_ops`` and ``use_npu_ops`` are hp-dtensor's own, re-exported here.
 
 What the Ascend documentation says about the three ops (and what this backend relies on):
 
@@ -53,18 +55,17 @@ hicann/ops-transformer ``moe/moe_token_permute/docs``, ``moe/moe_token_unpermute
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from hyper_parallel.dtensor.npu import NpuProvider, TorchNpu, current_npu_ops, use_npu_ops
 from hyper_parallel.moe.local import TorchExperts, register_impl
 
 __all__ = [
+    "MOE_OPS",
     "NpuExperts",
     "NpuMoeOps",
     "TorchNpuOps",
@@ -78,19 +79,15 @@ MAX_TOP_K = 512  # K of the token ops (Atlas A2/A3)
 MAX_INDEX = 16777215  # the token ops sort fewer elements than this, with ids below it
 MAX_GROUPS = 1024  # groups of npu_grouped_matmul's single-tensor form
 INNER_LIMIT = 65536  # npu_grouped_matmul: the last dim of x and of each weight stays below it
-_OPS = ("npu_moe_token_permute", "npu_moe_token_unpermute", "npu_grouped_matmul")
+#: the torch_npu ops the ``npu`` backend calls
+MOE_OPS = ("npu_moe_token_permute", "npu_moe_token_unpermute", "npu_grouped_matmul")
+_OPS = MOE_OPS
 Act = Callable[[Tensor], Tensor]
 
 
-class NpuMoeOps(Protocol):
-    """What the ``npu`` backend needs from torch_npu (or from a stand-in)."""
-
-    #: device type of the tensors the ops accept ("npu" for torch_npu).
-    device_type: str
-
-    def available(self) -> str | None:
-        """``None`` when the ops can run, else why not."""
-        ...
+class NpuMoeOps(NpuProvider, Protocol):
+    """What the ``npu`` backend needs from torch_npu (or from a stand-in): a provider
+    (:class:`hyper_parallel.dtensor.npu.NpuProvider`) with the three MoE ops."""
 
     def npu_moe_token_permute(
         self,
@@ -122,105 +119,9 @@ class NpuMoeOps(Protocol):
     ) -> list[Tensor]: ...
 
 
-class TorchNpuOps:
-    """The real ops: ``torch_npu`` imported on first use (never by :meth:`available` when it is
-    not installed)."""
-
-    device_type = "npu"
-
-    def __init__(self) -> None:
-        self._module: Any = None
-        self._why: str | None = None
-        self._checked = False
-
-    def _torch_npu(self) -> Any:
-        if self._module is None:
-            self._module = importlib.import_module("torch_npu")
-        return self._module
-
-    def available(self) -> str | None:
-        if not self._checked:
-            self._why = self._check()
-            self._checked = True
-        return self._why
-
-    def _check(self) -> str | None:
-        if importlib.util.find_spec("torch_npu") is None:
-            return "torch_npu is not installed"
-        try:
-            module = self._torch_npu()
-        except Exception as exc:
-            return f"torch_npu is not importable ({type(exc).__name__}: {exc})"
-        missing = [name for name in _OPS if not hasattr(module, name)]
-        if missing:
-            version = getattr(module, "__version__", "?")
-            return f"torch_npu {version} has no {', '.join(missing)}"
-        return None
-
-    def npu_moe_token_permute(
-        self,
-        tokens: Tensor,
-        indices: Tensor,
-        num_out_tokens: int | None = None,
-        padded_mode: bool = False,
-    ) -> tuple[Tensor, Tensor]:
-        out = self._torch_npu().npu_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
-        return out[0], out[1]
-
-    def npu_moe_token_unpermute(
-        self,
-        permuted_tokens: Tensor,
-        sorted_indices: Tensor,
-        probs: Tensor | None = None,
-        padded_mode: bool = False,
-        restore_shape: Any = None,
-    ) -> Tensor:
-        return self._torch_npu().npu_moe_token_unpermute(
-            permuted_tokens, sorted_indices, probs, padded_mode, restore_shape
-        )
-
-    def npu_grouped_matmul(
-        self,
-        x: list[Tensor],
-        weight: list[Tensor],
-        *,
-        group_list: Any = None,
-        split_item: int = 0,
-        group_type: int | None = None,
-        group_list_type: int = 0,
-        **kwargs: Any,
-    ) -> list[Tensor]:
-        return list(
-            self._torch_npu().npu_grouped_matmul(
-                x,
-                weight,
-                group_list=group_list,
-                split_item=split_item,
-                group_type=group_type,
-                group_list_type=group_list_type,
-                **kwargs,
-            )
-        )
-
-
-_default: NpuMoeOps = TorchNpuOps()
-_active: NpuMoeOps = _default
-
-
-def current_npu_ops() -> NpuMoeOps:
-    """The provider the ``npu`` backend uses right now."""
-    return _active
-
-
-@contextlib.contextmanager
-def use_npu_ops(provider: NpuMoeOps) -> Iterator[NpuMoeOps]:
-    """Route the ``npu`` backend to ``provider`` inside the ``with`` block (not thread-local)."""
-    global _active
-    previous, _active = _active, provider
-    try:
-        yield provider
-    finally:
-        _active = previous
+#: the provider of the real ops: hp-dtensor's, torch_npu imported on first use (never by
+#: ``available`` when it is not installed)
+TorchNpuOps = TorchNpu
 
 
 def _grouped_mm(ops: NpuMoeOps, x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
@@ -290,7 +191,7 @@ class NpuExperts(TorchExperts):
         ops = current_npu_ops()
         if device_type != ops.device_type:
             return f"its ops take {ops.device_type} tensors, not {device_type}"
-        why = ops.available()
+        why = ops.available(ops=MOE_OPS)
         if why:
             return why
         if dtype not in DTYPES:
