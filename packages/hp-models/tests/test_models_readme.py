@@ -50,3 +50,10 @@ def test_readme_pipeline_example_runs():
     index = _block_index("pm = pipeline_model(tiny_model(")
     out = run_markdown_example(README, index, timeout=280).splitlines()
     assert out == [f"{r} {[r // 2]} [2, 2] True" for r in range(4)]
+
+
+@pytest.mark.timeout(300)
+def test_readme_forward_backward_overlap_example_runs():
+    index = _block_index('overlap="forward_backward"\n    )')
+    out = run_markdown_example(README, index, timeout=280).splitlines()
+    assert out == ["0 True True", "1 True True"]

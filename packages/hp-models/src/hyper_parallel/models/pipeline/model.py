@@ -40,6 +40,7 @@ from hyper_parallel.models.documents import TABLE_KEYS
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import DP_MESH_DIMS, MESH_DIMS, check_mesh, cp_tp
 from hyper_parallel.models.parallelize import _roles, apply_parallel
+from hyper_parallel.models.pipeline.interleave import hold_backward_end, run_interleaved
 from hyper_parallel.models.pipeline.p2p import every_work
 from hyper_parallel.models.pipeline.schedules import (
     ScheduleSpec,
@@ -57,7 +58,11 @@ from hyper_parallel.models.pipeline.split import (
 from hyper_parallel.models.pipeline.stages import Feed, StageModule, stage_model
 from hyper_parallel.models.state import OWNER, plan_of
 
-__all__ = ["PipelinedModel", "pipeline_model", "split_mesh"]
+__all__ = ["FORWARD_BACKWARD", "PipelinedModel", "pipeline_model", "split_mesh"]
+
+#: ``pipeline_model(..., overlap=FORWARD_BACKWARD)``: micro-batch i+1's forward interleaved
+#: with micro-batch i's backward (:mod:`hyper_parallel.models.pipeline.interleave`)
+FORWARD_BACKWARD = "forward_backward"
 
 _PP_DIMS = (("pp", *MESH_DIMS), ("pp", *DP_MESH_DIMS))
 
@@ -156,8 +161,10 @@ class PipelinedModel:
         stage_mesh: DeviceMesh,
         microbatches: int,
         spec: ScheduleSpec,
+        overlap: bool | str = True,
     ) -> None:
         self.parts = parts
+        self.overlap = overlap
         self.mesh = mesh
         self.stages = stages
         self.layers = layers
@@ -181,6 +188,9 @@ class PipelinedModel:
                 fully_shard(mod, mesh=plan.mesh.fsdp_mesh, reshard_after_forward=False)
         self._runner: Any = None
         self._shape: tuple[Any, ...] | None = None
+        #: with ``overlap="forward_backward"``: for each interleaved pair of the last step
+        #: (micro-batch k's forward with k−1's backward), how often the two handed over
+        self.switches: list[int] = []
         self.__hp_pipeline__ = True
 
     # -- what the rank holds ------------------------------------------------------------------
@@ -385,7 +395,7 @@ class PipelinedModel:
         first = micro[0]["input_ids"]
         dtype = _hidden_dtype(self.parts[0])
         shape = (tuple(first.shape), first.dtype, dtype)
-        if self._runner is None or self._shape != shape:
+        if self.overlap != FORWARD_BACKWARD and (self._runner is None or self._shape != shape):
             self._runner = self._build(first, dtype)
             self._shape = shape
         m = self.microbatches
@@ -401,8 +411,11 @@ class PipelinedModel:
             call["target"] = mb.clone()
         losses: list[Tensor] = []
         try:
-            with every_work():  # torch 2.7 on gloo: wait on every point-to-point work
-                self._runner.step(*args, losses=losses, **call)
+            if self.overlap == FORWARD_BACKWARD:
+                losses = self._interleaved(micro, device)
+            else:
+                with every_work():  # torch 2.7 on gloo: wait on every point-to-point work
+                    self._runner.step(*args, losses=losses, **call)
         finally:
             self._feed.micro = []
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -413,6 +426,46 @@ class PipelinedModel:
             name = "all_reduce:pipeline_loss"
             total = comm.start_all_reduce(total, g, name, "step", OWNER).wait()
         return total
+
+    def _interleaved(self, micro: list[dict[str, Tensor]], device: torch.device) -> list[Tensor]:
+        """``overlap="forward_backward"`` at pp = 1: micro-batch 0's forward, then the forward
+        of micro-batch k and the backward of micro-batch k−1 interleaved node by node
+        (:func:`~hyper_parallel.models.pipeline.interleave.run_interleaved`), then the last
+        backward alone. FSDP2 accumulates unreduced gradients until that last backward, which
+        reduce-scatters them (its public gradient-accumulation switches)."""
+        mod = self._modules[0]
+        fsdp: Any = mod if hasattr(mod, "set_requires_gradient_sync") else None
+
+        def forward(k: int) -> Tensor:
+            x = micro[k]["input_ids"].to(device)
+            return cast(Tensor, mod(x, torch.tensor([k], device=device)))
+
+        def backward(loss: Tensor) -> None:
+            torch.autograd.backward(hold_backward_end(loss))
+
+        def sync(last: bool) -> None:
+            if fsdp is not None:
+                fsdp.set_requires_gradient_sync(last)
+                fsdp.set_is_last_backward(last)
+                fsdp.set_reshard_after_backward(last)
+
+        m = self.microbatches
+        losses: list[Tensor] = []
+        loss = forward(0)
+        sync(False)
+        self.switches = []
+        for k in range(1, m):
+            prev = loss
+            loss, switches = run_interleaved(
+                lambda k=k: forward(k),  # type: ignore[misc]
+                lambda prev=prev: backward(prev),  # type: ignore[misc]
+            )
+            self.switches.append(switches)
+            losses.append(prev.detach())
+        sync(True)
+        backward(loss)
+        losses.append(loss.detach())
+        return losses
 
 
 def _whole_backward() -> Any:
@@ -494,6 +547,11 @@ def pipeline_model(
     class, roles and parameter count, the mesh and every option.
     """
     fam, base = family_of(model)
+    overlap = kwargs.get("overlap", True)
+    if overlap == FORWARD_BACKWARD:
+        kwargs["overlap"] = True  # the layers keep their own in-layer overlap
+    elif not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be True, False or {FORWARD_BACKWARD!r}, got {overlap!r}")
     if base is model:
         raise TypeError(
             f"pipeline_model needs the causal LM ({fam.causal_lm}): its last stage computes "
@@ -503,6 +561,17 @@ def pipeline_model(
     pp = 1 if pp_mesh is None else pp_mesh.size()
     spec = check_schedule(schedule, pp, stages_per_rank, microbatches)
     num_stages = pp * stages_per_rank
+    if overlap == FORWARD_BACKWARD and num_stages > 1:
+        raise ValueError(
+            f"overlap={FORWARD_BACKWARD!r} interleaves the micro-batches of one stage: it runs "
+            f"at pp = 1 with one stage a rank (this mesh has pp = {pp}, {num_stages} stages); "
+            "use overlap=True (each layer's own overlap) with pipeline stages"
+        )
+    if overlap == FORWARD_BACKWARD and microbatches < 2:
+        raise ValueError(
+            f"overlap={FORWARD_BACKWARD!r} pairs one micro-batch's forward with another's "
+            f"backward: it needs microbatches >= 2, got {microbatches}"
+        )
     n_layers = len(decoder_layers(base))
     if layer_split is None:
         costs, head = layer_costs(model)
@@ -533,4 +602,6 @@ def pipeline_model(
     for part in parts:
         apply_parallel(part, stage_mesh, reshard_after_forward=False, **kwargs)
         part._hp_mp_policy = kwargs.get("mp_policy")  # type: ignore[assignment]
-    return PipelinedModel(parts, mesh, mine, ranges, pp_mesh, stage_mesh, microbatches, spec)
+    return PipelinedModel(
+        parts, mesh, mine, ranges, pp_mesh, stage_mesh, microbatches, spec, overlap
+    )

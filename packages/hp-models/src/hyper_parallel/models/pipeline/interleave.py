@@ -1,0 +1,175 @@
+"""Forward/backward overlap across micro-batches: the forward of micro-batch i+1 and the
+backward of micro-batch i run as interleaved nodes, each one's exchanges in flight under the
+other's compute.
+
+:func:`run_interleaved` runs two callables, ``first`` (a forward) and ``second`` (a backward),
+as coroutines on two threads of which exactly one runs at a time (a *baton*). A side runs until
+it reaches an **in-flight point** (hp-dtensor's ``overlap.in_flight``: one of this rank's
+collectives was just started and nothing of this side needs it yet — an MoE dispatch or
+combine, a context-parallel all-to-all, a delta-rule state exchange, in forward or, for their
+gradients, in backward), then hands the baton to the other side, which runs until its own next
+in-flight point, and so on; a side that has finished no longer takes the baton. So the forward's
+dispatch travels while the backward computes an expert's gradient, and the backward's combine
+gradient travels while the forward computes attention: node by node, as Megatron-core's
+combined 1F1B pairs them, but with no model rewrite: the nodes are cut where the layers already
+start and wait their exchanges.
+
+**Exact and deadlock-free.** Each side computes what it computes alone, on its own tensors; only
+the order of the two sides' operations interleaves. The points where the baton changes hands
+are the in-flight points in graph order, the same on every rank, so every rank issues every
+collective (the two sides' exchanges, their blocking collectives, FSDP2's) in the same order.
+The backward's end (autograd's final callbacks, where FSDP2 closes its backward) waits for the
+forward to finish first: FSDP2 resets per-pass state there.
+
+What runs on each side's thread inherits the caller's context: ``contextvars``, grad mode and
+autocast. Activation checkpointing composes: a recomputed forward runs inside the backward's
+side, and its exchanges are in-flight points like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+from hyper_parallel.dtensor import comm
+from hyper_parallel.dtensor.amp import autocast_dtype
+from hyper_parallel.dtensor.overlap import in_flight_hook
+
+__all__ = ["hold_backward_end", "run_interleaved"]
+
+T = TypeVar("T")
+
+
+class _Baton:
+    """Which of the two sides runs: ``turn`` (0 or 1); a side that has ``done`` never gets it
+    again."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.turn = 0
+        self.done = [False, False]
+        self.switches = 0
+
+    def switch(self) -> None:
+        """Called by the running side (on whatever thread runs it): hand over to the other
+        side, if it is not done, and wait until the baton comes back."""
+        with self.cv:
+            me = self.turn
+            if self.done[1 - me]:
+                return
+            self.turn = 1 - me
+            self.switches += 1
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: self.turn == me)
+            comm.set_lane(me + 1)
+
+    def drain(self, me: int) -> None:
+        """Side ``me`` (running) lets the other side run to its end."""
+        while True:
+            with self.cv:
+                if self.done[1 - me]:
+                    return
+            self.switch()
+
+    def run_side(self, me: int, fn: Callable[[], Any], out: list[Any]) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.turn == me)
+            comm.set_lane(me + 1)
+        try:
+            out[me] = (True, fn())
+        except BaseException as exc:  # re-raised by the caller
+            out[me] = (False, exc)
+        finally:
+            with self.cv:
+                self.done[me] = True
+                self.turn = 1 - me
+                self.cv.notify_all()
+
+
+_current: _Baton | None = None
+
+
+class _HoldEnd(Function):
+    """Identity whose backward (the first node of the backward that starts at its output) queues
+    an engine callback ahead of every callback queued later (FSDP2's end-of-backward among them):
+    the backward side lets the forward side finish before its backward closes."""
+
+    @staticmethod
+    def forward(ctx: Any, baton: _Baton, x: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.baton = baton
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+        baton = ctx.baton
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: baton.drain(1))
+        return None, grad
+
+
+def hold_backward_end(loss: Tensor) -> Tensor:
+    """``loss`` as it is; inside :func:`run_interleaved`'s ``second`` side, a backward started
+    from the result closes only after the ``first`` side has finished (see the module
+    docstring). Outside it, ``loss`` itself."""
+    if _current is None:
+        return loss
+    return _HoldEnd.apply(_current, loss)
+
+
+@contextlib.contextmanager
+def _caller_state(grad: bool, casts: list[tuple[str, torch.dtype]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for device, dtype in casts:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
+
+
+def run_interleaved(first: Callable[[], T], second: Callable[[], Any]) -> tuple[T, int]:
+    """Run ``first()`` and ``second()`` interleaved at their in-flight points (see the module
+    docstring); return ``first``'s result and how many times the baton changed hands (0: the
+    two ran one after the other); ``first`` starts. Every rank calls it with the same pair of
+    computations. Each side's collectives are marked as its own (hp-dtensor's
+    ``comm.set_lane``), so a layer's check for collectives it leaked sees only its side's. An
+    exception of either side is raised here once both sides have stopped (the other side runs
+    to its end alone)."""
+    global _current
+    if _current is not None:
+        raise RuntimeError("run_interleaved does not nest")
+    grad = torch.is_grad_enabled()
+    casts = [(d, t) for d in ("cpu", "cuda", "npu") if (t := autocast_dtype(d)) is not None]
+    baton = _Baton()
+    out: list[Any] = [None, None]
+    threads = []
+    for me, fn in enumerate((first, second)):
+        ctx = contextvars.copy_context()
+
+        def body(me: int = me, fn: Callable[[], Any] = fn, ctx: Any = ctx) -> None:
+            def call() -> Any:
+                with _caller_state(grad, casts):
+                    return fn()
+
+            ctx.run(baton.run_side, me, call, out)
+
+        threads.append(threading.Thread(target=body, name=f"hp-interleave-{me}", daemon=True))
+    _current = baton
+    lane = comm.set_lane(0)
+    try:
+        with in_flight_hook(baton.switch):
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        _current = None
+        comm.set_lane(lane)
+    for ok, value in out:
+        if not ok:
+            raise value
+    return out[0][1], baton.switches

@@ -1,0 +1,180 @@
+"""Forward/backward overlap across micro-batches (``pipeline_model(...,
+overlap="forward_backward")``) on 4 gloo ranks, float64, against the serial stock model on the
+global batch: the loss on every rank and every gradient (``_case`` of the pipeline tests: two
+steps, ``clip_grad_norm_``, ``balance_experts``), for the three families with experts split
+(ep 2 and 4), FSDP2 and all-reduce gradients, Hugging Face's activation checkpointing, packed
+documents over cp·tp; every pair of micro-batches really interleaved (the two sides handed over
+at their exchanges). The runner itself without processes: the order of the two sides, the
+caller's autocast and context, an error of one side. Bad options raise before any
+communication."""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import pytest
+import torch
+from test_models_pipeline import _case, _mesh
+
+from hyper_parallel.dtensor import comm, overlap
+from hyper_parallel.dtensor.testing import run_distributed
+from hyper_parallel.models import pipeline_model
+from hyper_parallel.models.pipeline.interleave import hold_backward_end, run_interleaved
+from hyper_parallel.models.testing import tiny_model
+
+FB = "forward_backward"
+DP_CASES = [
+    ("deepseek", {"microbatches": 2, "ep": 2, "overlap": FB}, 4, False),
+    (
+        "qwen3-next",
+        {"microbatches": 3, "ep": 4, "overlap": FB, "grad_reduction": "allreduce"},
+        6,
+        False,
+    ),
+    ("kimi", {"microbatches": 2, "ep": 2, "overlap": FB, "checkpointing": True}, 4, False),
+]
+CP_TP_CASES = [("kimi", {"microbatches": 2, "ep": 2, "overlap": FB}, 2, True)]
+
+
+def _errors(mesh: Any) -> dict[str, str]:
+    out = {}
+    for name, kw in {
+        "one_microbatch": {"microbatches": 1, "overlap": FB, "schedule": "GPipe"},
+        "bad_value": {"microbatches": 2, "overlap": "both"},
+    }.items():
+        try:
+            pipeline_model(tiny_model("kimi"), mesh, **kw)
+            out[name] = "NO ERROR"
+        except Exception as exc:  # the test compares type and message
+            out[name] = f"{type(exc).__name__}: {exc}"
+    try:
+        pipeline_model(
+            tiny_model("kimi"), _mesh((2, 2, 1), ("pp", "cp", "tp")), microbatches=2, overlap=FB
+        )
+        out["pp"] = "NO ERROR"
+    except Exception as exc:
+        out["pp"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _run(dims: tuple[int, ...], names: tuple[str, ...], cases: list) -> dict:
+    mesh = _mesh(dims, names)
+    res: dict[str, Any] = {}
+    if names == ("cp", "tp"):
+        res["errors"] = _errors(mesh)
+    for i, (kind, options, bsz, packed) in enumerate(cases):
+        out = _case(mesh, kind, options, bsz, packed)  # asserts loss and every gradient
+        res[f"{kind}-{i}"] = {"losses": out["losses"], "switches": out["pm"].switches}
+    return res
+
+
+def _check(results: list[dict], cases: list) -> None:
+    for i, (kind, options, _, _) in enumerate(cases):
+        key = f"{kind}-{i}"
+        for rep in results:
+            assert rep[key]["losses"] == results[0][key]["losses"], key
+            # one pair a micro-batch after the first, each handing over at its exchanges,
+            # the same number of times on every rank
+            sw = rep[key]["switches"]
+            assert len(sw) == options["microbatches"] - 1 and min(sw) >= 4, (key, sw)
+            assert sw == results[0][key]["switches"], key
+
+
+@pytest.mark.timeout(600)
+def test_forward_backward_overlap_trains_like_the_serial_model() -> None:
+    results = run_distributed(_run, 4, (2, 2, 1), ("dp", "cp", "tp"), DP_CASES, timeout=420)
+    _check(results, DP_CASES)
+    results = run_distributed(_run, 4, (2, 2), ("cp", "tp"), CP_TP_CASES, timeout=240)
+    _check(results, CP_TP_CASES)
+    for rep in results:
+        err = rep["errors"]
+        assert err["one_microbatch"].startswith(
+            "ValueError: overlap='forward_backward' pairs one micro-batch's forward"
+        ), err
+        assert err["bad_value"].startswith(
+            "ValueError: overlap must be True, False or 'forward_backward', got 'both'"
+        ), err
+        assert err["pp"].startswith(
+            "ValueError: overlap='forward_backward' interleaves the micro-batches of one stage"
+        ), err
+
+
+class _Note:
+    """An exchange without communication that logs its steps (the order needs no group)."""
+
+    def __init__(self, log: list[str], tag: str) -> None:
+        self.log, self.tag = log, tag
+
+    def start(self, x: torch.Tensor) -> None:
+        self.log.append(f"{self.tag} start")
+        self.x = x
+
+    def finish(self) -> torch.Tensor:
+        self.log.append(f"{self.tag} finish")
+        return self.x * 1
+
+    def start_grad(self, grad: torch.Tensor) -> None:
+        self.log.append(f"{self.tag} start_grad")
+        self.g = grad
+
+    def finish_grad(self) -> torch.Tensor:
+        self.log.append(f"{self.tag} finish_grad")
+        return self.g * 1
+
+
+VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
+
+
+def test_the_two_sides_hand_over_at_their_in_flight_points() -> None:
+    log: list[str] = []
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    b_ex = _Note(log, "B")
+    loss = (overlap.wait(b_ex, overlap.launch(b_ex, x)) ** 2).sum()
+    log.clear()
+    VAR.set("caller")
+    seen: dict[str, Any] = {}
+
+    def forward() -> torch.Tensor:
+        seen["var"], seen["cast"] = VAR.get(), torch.get_autocast_dtype("cpu")
+        seen["enabled"] = torch.is_autocast_enabled("cpu")
+        f_ex = _Note(log, "F")
+        token = overlap.launch(f_ex, x.detach() + 1)
+        log.append("F compute")
+        return overlap.wait(f_ex, token)
+
+    def backward() -> None:
+        torch.autograd.backward(hold_backward_end(loss))
+        log.append("B done")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, switches = run_interleaved(forward, backward)
+    assert seen == {"var": "caller", "cast": torch.bfloat16, "enabled": True}
+    # F starts its exchange and hands over; B's gradient exchange starts and hands back; F
+    # computes and waits; B finishes (its end waits for F's end)
+    assert log == [
+        "F start", "B start_grad", "F compute", "F finish", "B finish_grad", "B done",
+    ], log  # fmt: skip
+    assert switches == 2
+    torch.testing.assert_close(out, x.detach() + 1)
+    torch.testing.assert_close(x.grad, 2 * x.detach())
+    assert comm.set_lane(0) == 0  # the caller's lane is back
+
+
+def test_an_error_of_one_side_is_raised_after_the_other_ends() -> None:
+    log: list[str] = []
+
+    def bad() -> None:
+        overlap.in_flight()
+        raise ValueError("the forward side failed")
+
+    def other() -> None:
+        log.append("other ran")
+        overlap.in_flight()
+        log.append("other ended")
+
+    with pytest.raises(ValueError, match="the forward side failed"):
+        run_interleaved(bad, other)
+    assert log == ["other ran", "other ended"]
+    with pytest.raises(RuntimeError, match="does not nest"):
+        run_interleaved(lambda: run_interleaved(lambda: None, lambda: None), lambda: None)
