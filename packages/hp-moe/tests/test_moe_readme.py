@@ -20,3 +20,8 @@ def test_readme_example_runs_and_matches_the_serial_module():
 def test_readme_block_example_equals_the_stock_qwen3_next_block():
     lines = run_markdown_example(README, 1).splitlines()
     assert lines == [f"{rank} ((2, 5, 32), True, True, (10, 2), 40)" for rank in range(2)]
+
+
+def test_readme_dispatcher_example_runs_a_users_dispatcher_by_name():
+    lines = run_markdown_example(README, 2).splitlines()
+    assert lines == [f"{rank} (True, 'counting', True, True)" for rank in range(2)]

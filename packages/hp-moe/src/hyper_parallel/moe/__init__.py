@@ -26,6 +26,11 @@ from hyper_parallel.moe.dispatch import (
 )
 from hyper_parallel.moe.form import FORM, ExpertsShape, experts_shape
 from hyper_parallel.moe.local import IMPLS, LocalExperts, select_impl
+from hyper_parallel.moe.npu_dispatch import (  # importing it registers the NPU dispatchers
+    NpuDistributeDispatcher,
+    NpuFusedGmmDispatcher,
+    NpuPermuteDispatcher,
+)
 from hyper_parallel.moe.npu_ops import (  # importing it registers the "npu" backend
     NpuExperts,
     NpuMoeOps,
@@ -61,8 +66,11 @@ __all__ = [
     "ExpertsShape",
     "ForwardStats",
     "LocalExperts",
+    "NpuDistributeDispatcher",
     "NpuExperts",
+    "NpuFusedGmmDispatcher",
     "NpuMoeOps",
+    "NpuPermuteDispatcher",
     "TorchNpuOps",
     "__version__",
     "choose_chunks",

@@ -1,1 +1,1 @@
-__version__ = "0.1.4.dev2"
+__version__ = "0.1.4.dev3"
