@@ -8,7 +8,6 @@ and an unknown name raise the same error on every rank."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from typing import Any
 
@@ -44,7 +43,6 @@ from hyper_parallel.moe import (
 from hyper_parallel.moe.dispatch import RowExchange
 
 F32, HALF = torch.float32, (torch.float16, torch.bfloat16)
-HOOKS = hasattr(overlap, "in_flight_hook")  # hp-dtensor >= 0.3.10
 
 
 def _double() -> NpuDispatchOpsDouble:
@@ -148,14 +146,12 @@ def _run_case(dispatcher: Any, dtype: torch.dtype, grad: bool, chunks: Any, size
 class overlap_hook:
     def __enter__(self) -> list[int]:
         self.points: list[int] = []
-        self.cm = overlap.in_flight_hook(lambda: self.points.append(1)) if HOOKS else None
-        if self.cm is not None:
-            self.cm.__enter__()
+        self.cm = overlap.in_flight_hook(lambda: self.points.append(1))  # hp-dtensor >= 0.3.10
+        self.cm.__enter__()
         return self.points
 
     def __exit__(self, *exc: Any) -> None:
-        if self.cm is not None:
-            self.cm.__exit__(*exc)
+        self.cm.__exit__(*exc)
 
 
 def npu(double: NpuDispatchOpsDouble) -> Any:
@@ -229,10 +225,7 @@ def _halves_and_users() -> dict:
         m = parallelize_experts(stock_experts(), ep_mesh(), chunks=2, dispatcher=spec)
         hh, ii, ww = (t.clone() for t in inputs[rank])
         hh.requires_grad_(True)
-        hook: Any = contextlib.nullcontext()
-        if HOOKS:
-            hook = overlap.in_flight_hook(lambda: mine.log.append("in_flight"))
-        with hook:
+        with overlap.in_flight_hook(lambda: mine.log.append("in_flight")):
             o = m(hh, ii, ww)
             o.backward(grads[rank])
         user[how] = {"out": o.detach(), "dh": hh.grad, "log": list(mine.log),
@@ -347,7 +340,6 @@ def test_a_users_dispatcher_runs_as_an_object_and_by_name():
         assert "experts0" in user["object"]["log"] and "experts1" in user["object"]["log"]
 
 
-@pytest.mark.skipif(not HOOKS, reason="hp-dtensor without overlap.in_flight_hook")
 def test_in_flight_points_follow_each_exchange_start_in_the_same_order_on_every_rank():
     logs = []
     for res in _ranks():
