@@ -4,9 +4,10 @@ global batch: the loss on every rank and every gradient (``_case`` of the pipeli
 steps, ``clip_grad_norm_``, ``balance_experts``), for the three families with experts split
 (ep 2 and 4), FSDP2 and all-reduce gradients, Hugging Face's activation checkpointing, packed
 documents over cp·tp; every pair of micro-batches really interleaved (the two sides handed over
-at their exchanges). The runner itself without processes: the order of the two sides, the
-caller's autocast and context, an error of one side. Bad options raise before any
-communication."""
+at their exchanges). The trace (2 ranks): each micro-batch's running stretches recorded as
+segments, one micro-batch's forward starting while the other's combine is in flight. The runner
+itself without processes: the order of the two sides, the caller's autocast and context, an
+error of one side. Bad options raise before any communication."""
 
 from __future__ import annotations
 
@@ -17,15 +18,33 @@ import pytest
 import torch
 from test_models_pipeline import _case, _mesh
 
-from hyper_parallel.dtensor import comm, overlap
+from hyper_parallel.dtensor import comm, init_device_mesh, overlap, unflatten
+from hyper_parallel.dtensor.recorder import record_events
 from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.models import pipeline_model
-from hyper_parallel.models.pipeline.interleave import hold_backward_end, run_interleaved
-from hyper_parallel.models.testing import tiny_model
+from hyper_parallel.models.pipeline.interleave import (
+    hold_backward_end,
+    run_interleaved,
+    segment_spans,
+)
+from hyper_parallel.models.testing import random_batch, tiny_model
+from hyper_parallel.moe import AllToAllDispatcher
+
+
+class Counting(AllToAllDispatcher):
+    """A user's own dispatcher: today's all-to-all, counting the dispatches it starts."""
+
+    name = "counting"
+    started = 0
+
+    def dispatch_start(self, handle: Any, q: int, rows: torch.Tensor) -> torch.Tensor:
+        Counting.started += 1
+        return super().dispatch_start(handle, q, rows)
+
 
 FB = "forward_backward"
 DP_CASES = [
-    ("deepseek", {"microbatches": 2, "ep": 2, "overlap": FB}, 4, False),
+    ("deepseek", {"microbatches": 2, "ep": 2, "overlap": FB, "dispatcher": Counting()}, 4, False),
     (
         "qwen3-next",
         {"microbatches": 3, "ep": 4, "overlap": FB, "grad_reduction": "allreduce"},
@@ -42,6 +61,8 @@ def _errors(mesh: Any) -> dict[str, str]:
     for name, kw in {
         "one_microbatch": {"microbatches": 1, "overlap": FB, "schedule": "GPipe"},
         "bad_value": {"microbatches": 2, "overlap": "both"},
+        "unknown_dispatcher": {"microbatches": 2, "ep": 2, "dispatcher": "nope"},
+        "dispatcher_at_ep1": {"microbatches": 2, "dispatcher": Counting()},
     }.items():
         try:
             pipeline_model(tiny_model("kimi"), mesh, **kw)
@@ -66,6 +87,7 @@ def _run(dims: tuple[int, ...], names: tuple[str, ...], cases: list) -> dict:
     for i, (kind, options, bsz, packed) in enumerate(cases):
         out = _case(mesh, kind, options, bsz, packed)  # asserts loss and every gradient
         res[f"{kind}-{i}"] = {"losses": out["losses"], "switches": out["pm"].switches}
+    res["user_dispatches"] = Counting.started
     return res
 
 
@@ -85,6 +107,8 @@ def _check(results: list[dict], cases: list) -> None:
 def test_forward_backward_overlap_trains_like_the_serial_model() -> None:
     results = run_distributed(_run, 4, (2, 2, 1), ("dp", "cp", "tp"), DP_CASES, timeout=420)
     _check(results, DP_CASES)
+    # the user's dispatcher ran the MoE layer of the tiny DeepSeek-V3: 2 micro-batches x 2 steps
+    assert all(r["user_dispatches"] >= 4 for r in results), results
     results = run_distributed(_run, 4, (2, 2), ("cp", "tp"), CP_TP_CASES, timeout=240)
     _check(results, CP_TP_CASES)
     for rep in results:
@@ -95,9 +119,48 @@ def test_forward_backward_overlap_trains_like_the_serial_model() -> None:
         assert err["bad_value"].startswith(
             "ValueError: overlap must be True, False or 'forward_backward', got 'both'"
         ), err
+        assert err["unknown_dispatcher"].startswith("ValueError: "), err
+        assert "nope" in err["unknown_dispatcher"], err
+        assert err["dispatcher_at_ep1"].startswith(
+            "ValueError: dispatcher='Counting:counting' moves rows between the ranks"
+        ), err
         assert err["pp"].startswith(
             "ValueError: overlap='forward_backward' interleaves the micro-batches of one stage"
         ), err
+
+
+def _traced_step() -> dict[str, Any]:
+    world = init_device_mesh("cpu", (2,), mesh_dim_names=("world",))
+    mesh = unflatten(world, "world", (2, 1), ("cp", "tp"))
+    pm = pipeline_model(tiny_model("deepseek", seed=0), mesh, microbatches=2, ep=2, overlap=FB)
+    with record_events() as rec:
+        pm.step(**random_batch(bsz=2, seq=16))
+    segments = segment_spans(rec.events)
+    # every combine (forward, or its gradient in backward): the segment it was launched in,
+    # and the other side's segments that began between its launch and its wait
+    launched = {e.op_id: e for e in rec.events if e.kind == "launch"}
+    under = []
+    for e in rec.events:
+        if e.kind != "wait" or not e.name.startswith("moe:combine"):
+            continue
+        t0, t1 = launched[e.op_id].t_ns, e.t_ns
+        own = [n for n, _, b, end in segments if b <= t0 <= end]
+        began = sorted({n for n, _, b, _ in segments if t0 < b < t1 and n not in own})
+        under.append((e.name, e.phase, own, began))
+    return {"names": [n for n, *_ in segments], "under": under, "switches": pm.switches}
+
+
+@pytest.mark.timeout(300)
+def test_the_trace_shows_one_micro_batch_forward_under_the_other_combine() -> None:
+    for rep in run_distributed(_traced_step, 2, timeout=240):
+        names = rep["names"]
+        assert names[0] == "forward mb0" and names[-1] == "backward mb1", names
+        assert {"forward mb1", "backward mb0"} <= set(names), names
+        assert names.count("forward mb1") >= 3, names  # a side's stretches, hand-over to hand-over
+        # micro-batch 0's combine gradient in flight while micro-batch 1's forward runs
+        assert (
+            "moe:combine0:grad", "backward", ["backward mb0"], ["forward mb1"]
+        ) in [(n, p, o, b) for n, p, o, b in rep["under"]], rep["under"]  # fmt: skip
 
 
 class _Note:

@@ -34,6 +34,7 @@ from hyper_parallel.dtensor import DeviceMesh, comm, unflatten
 from hyper_parallel.dtensor.rewrite import install_forward, parallel_state
 from hyper_parallel.models.state import OWNER, pipeline_parts, plan_of
 from hyper_parallel.moe import moe_block_forward, parallelize_experts, shared_work
+from hyper_parallel.moe.dispatch import dispatcher_label, resolve_dispatcher
 
 __all__ = ["MoEState", "balance_experts", "check_ep", "expert_meshes", "install_moe"]
 
@@ -52,11 +53,24 @@ class MoEState:
     edp_mesh: DeviceMesh | None = None
     counts: dict[str, Tensor] = field(default_factory=dict)
     accumulate: bool = False
+    dispatcher: Any = "alltoall"  # hp-moe's dispatcher of every MoE block (a name or object)
 
 
 def num_experts(block: nn.Module) -> int:
     weight: Any = block.get_submodule("experts").gate_up_proj
     return int(weight.shape[0])
+
+
+def check_dispatcher(dispatcher: Any, ep: Any) -> None:
+    """``dispatcher`` names one of hp-moe's dispatchers or is one (``ValueError`` /
+    ``TypeError`` from hp-moe otherwise), and is the default where there is nothing to
+    dispatch (ep = 1): collective-free, the same on every rank."""
+    resolve_dispatcher(dispatcher)
+    if ep == 1 and not (isinstance(dispatcher, str) and dispatcher == "alltoall"):
+        raise ValueError(
+            f"dispatcher={dispatcher_label(dispatcher)!r} moves rows between the ranks of an ep "
+            "group: it needs ep > 1 (at ep = 1 every rank runs every expert on its own tokens)"
+        )
 
 
 def check_ep(ep: Any, batch_size: int, moe_blocks: dict[str, nn.Module]) -> None:
@@ -124,7 +138,7 @@ def install_moe(state: MoEState, base: nn.Module, moe_paths: list[str]) -> None:
         block = base.get_submodule(path)
         experts = block.get_submodule("experts")
         if state.ep > 1:
-            parallelize_experts(experts, state.ep_mesh)
+            parallelize_experts(experts, state.ep_mesh, dispatcher=state.dispatcher)
         if state.ep > 1 and shared_work(block) is not None:
             install_forward(block, MOE_LAYER, _BlockState(state, path), _moe_forward, prefix="")
         else:  # the stock block forward calls the experts module: count in a pre-hook

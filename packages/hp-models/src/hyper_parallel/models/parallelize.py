@@ -26,13 +26,20 @@ from hyper_parallel.dtensor import DeviceMesh, checked_entry
 from hyper_parallel.dtensor.rewrite import install_forward, is_parallelized
 from hyper_parallel.kda import LOCAL_KERNELS, PROTOCOLS
 from hyper_parallel.models.checkpoint import save_pretrained_member
-from hyper_parallel.models.experts import MoEState, check_ep, expert_meshes, install_moe
+from hyper_parallel.models.experts import (
+    MoEState,
+    check_dispatcher,
+    check_ep,
+    expert_meshes,
+    install_moe,
+)
 from hyper_parallel.models.families import ModelFamily, family_of
 from hyper_parallel.models.fsdp import apply_fsdp, check_mp_policy, fsdp_available
 from hyper_parallel.models.loss import parallel_forward, refuse_generate
 from hyper_parallel.models.mesh import check_mesh, cp_tp, sequence_mesh
 from hyper_parallel.models.roles import BlockOptions, Role
 from hyper_parallel.models.state import LAYER, ParallelPlan
+from hyper_parallel.moe.dispatch import dispatcher_label
 
 __all__ = ["ParallelPlan", "apply_parallel", "parallelize_model"]
 
@@ -129,6 +136,7 @@ def _resolved_reduction(grad_reduction: Any) -> Any:
         "mesh": lambda args: (tuple(args.mesh.mesh.shape), args.mesh.mesh_dim_names),
         "grad_reduction": lambda args: _resolved_reduction(args.grad_reduction),
         "mp_policy": lambda args: repr(args.mp_policy),
+        "dispatcher": lambda args: dispatcher_label(args.dispatcher),
     },
 )
 def parallelize_model(
@@ -142,6 +150,7 @@ def parallelize_model(
     mp_policy: Any = None,
     ep: int = 1,
     local_kernel: str = "auto",
+    dispatcher: Any = "alltoall",
 ) -> nn.Module:
     """Parallelise a stock ``KimiLinearForCausalLM``/``KimiLinearModel``,
     ``DeepseekV3ForCausalLM``/``DeepseekV3Model`` or ``Qwen3NextForCausalLM``/``Qwen3NextModel``
@@ -184,6 +193,11 @@ def parallelize_model(
     ``dp·cp·tp`` and every MoE layer's expert count; ``ep=1`` (default) keeps every expert whole
     on every rank.
 
+    ``dispatcher``: how the MoE blocks' rows reach their experts' ranks at ep > 1 (hp-moe's
+    dispatchers: ``"alltoall"`` (default), the NPU ones by name, or a dispatcher object of
+    your own; :mod:`hyper_parallel.moe.dispatch`); an unknown name raises ``ValueError``, and
+    so does a dispatcher other than ``"alltoall"`` at ep = 1 (no exchange to run it).
+
     ``mp_policy``: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` handed to every
     ``fully_shard`` (with ``grad_reduction="fsdp"``/``"auto"`` on FSDP2; with ``"allreduce"``
     it raises ``ValueError``, with another type ``TypeError``). The usual recipe: float32
@@ -215,6 +229,7 @@ def parallelize_model(
         mp_policy=mp_policy,
         ep=ep,
         local_kernel=local_kernel,
+        dispatcher=dispatcher,
     )
 
 
@@ -229,6 +244,7 @@ def apply_parallel(
     mp_policy: Any = None,
     ep: int = 1,
     local_kernel: str = "auto",
+    dispatcher: Any = "alltoall",
     reshard_after_forward: bool | None = None,
 ) -> nn.Module:
     """:func:`parallelize_model`'s body, without its consistency check over the default group
@@ -238,13 +254,14 @@ def apply_parallel(
         model, mesh, mla_strategy, overlap, kda_protocol, grad_reduction, ep, local_kernel
     )
     check_mp_policy(mp_policy, grad_reduction)
+    check_dispatcher(dispatcher, ep)
     if grad_reduction == "auto":
         grad_reduction = "fsdp" if fsdp_available() else "allreduce"
     sm = sequence_mesh(mesh)
     options = BlockOptions(mla_strategy, overlap, kda_protocol, local_kernel)
     for path, role in roles.items():
         role.apply(base.get_submodule(path), sm, options)
-    moe = MoEState(ep)
+    moe = MoEState(ep, dispatcher=dispatcher)
     if ep > 1:
         moe.ep_mesh, moe.edp_mesh = expert_meshes(sm.batch, ep)
     install_moe(moe, base, [path for path, role in roles.items() if role.routed])

@@ -24,6 +24,17 @@ forward to finish first: FSDP2 resets per-pass state there.
 What runs on each side's thread inherits the caller's context: ``contextvars``, grad mode and
 autocast. Activation checkpointing composes: a recomputed forward runs inside the backward's
 side, and its exchanges are in-flight points like any other.
+
+**Traced.** While hp-dtensor's event recorder is on (``record_events``), each side's running
+stretches are recorded as *segments*: a ``segment_begin`` event when the side starts or gets
+the baton back and a ``segment_end`` event when it hands the baton over or finishes, named as
+the caller names the side (``run_interleaved(..., names=("forward mb1", "backward mb0"))``;
+phase ``forward`` for ``first``, ``backward`` for ``second``), on the recorder's clock beside
+the layers' spans and the collectives' launches and waits; :func:`segment` records a whole
+computation run alone the same way and :func:`segment_spans` pairs the events into spans. A
+segment that starts between one of the other side's launches and its wait is that side's
+exchange in flight under it. Without a recorder nothing is recorded (one ``None`` check a
+hand-over).
 """
 
 from __future__ import annotations
@@ -41,21 +52,67 @@ from torch.autograd import Function
 from hyper_parallel.dtensor import comm
 from hyper_parallel.dtensor.amp import autocast_dtype
 from hyper_parallel.dtensor.overlap import in_flight_hook
+from hyper_parallel.dtensor.recorder import Event, current_recorder
 
-__all__ = ["hold_backward_end", "run_interleaved"]
+__all__ = ["hold_backward_end", "run_interleaved", "segment", "segment_spans"]
 
 T = TypeVar("T")
+
+#: the recorder event kinds of a side's running stretch (hp-dtensor's ``EventRecorder``;
+#: its Chrome export leaves them out: :func:`segment_spans` pairs them)
+SEGMENT_BEGIN, SEGMENT_END = "segment_begin", "segment_end"
+_PHASES = ("forward", "backward")
+
+
+def _mark(kind: str, name: str, phase: str) -> None:
+    rec = current_recorder()
+    if rec is not None:
+        rec.add(kind, name, phase)
+
+
+@contextlib.contextmanager
+def segment(name: str, phase: str) -> Iterator[None]:
+    """Record the block as one segment ``name`` (``phase``: ``forward`` / ``backward``) while
+    hp-dtensor's event recorder is on (a no-op otherwise): a computation of the interleaved
+    step that runs alone (the first forward, the last backward)."""
+    if current_recorder() is None:
+        yield
+        return
+    _mark(SEGMENT_BEGIN, name, phase)
+    try:
+        yield
+    finally:
+        _mark(SEGMENT_END, name, phase)
+
+
+def segment_spans(events: list[Event]) -> list[tuple[str, str, int, int]]:
+    """``(name, phase, begin_ns, end_ns)`` of every recorded segment (see the module
+    docstring), in the order they began; a segment still open at the end is left out."""
+    open_at: dict[tuple[str, str], int] = {}
+    spans: list[tuple[str, str, int, int]] = []
+    for e in events:
+        if e.kind == SEGMENT_BEGIN:
+            open_at[(e.name, e.phase)] = e.t_ns
+        elif e.kind == SEGMENT_END and (e.name, e.phase) in open_at:
+            spans.append((e.name, e.phase, open_at.pop((e.name, e.phase)), e.t_ns))
+    return sorted(spans, key=lambda s: s[2])
 
 
 class _Baton:
     """Which of the two sides runs: ``turn`` (0 or 1); a side that has ``done`` never gets it
     again."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: tuple[str, str] = _PHASES) -> None:
         self.cv = threading.Condition()
         self.turn = 0
         self.done = [False, False]
         self.switches = 0
+        self.names = names
+
+    def mark(self, kind: str, me: int) -> None:
+        """A segment of side ``me`` begins or ends (recorded only under a recorder)."""
+        if current_recorder() is not None:
+            _mark(kind, self.names[me], _PHASES[me])
 
     def switch(self) -> None:
         """Called by the running side (on whatever thread runs it): hand over to the other
@@ -64,11 +121,13 @@ class _Baton:
             me = self.turn
             if self.done[1 - me]:
                 return
+            self.mark(SEGMENT_END, me)
             self.turn = 1 - me
             self.switches += 1
             self.cv.notify_all()
             self.cv.wait_for(lambda: self.turn == me)
             comm.set_lane(me + 1)
+            self.mark(SEGMENT_BEGIN, me)
 
     def drain(self, me: int) -> None:
         """Side ``me`` (running) lets the other side run to its end."""
@@ -82,11 +141,13 @@ class _Baton:
         with self.cv:
             self.cv.wait_for(lambda: self.turn == me)
             comm.set_lane(me + 1)
+            self.mark(SEGMENT_BEGIN, me)
         try:
             out[me] = (True, fn())
         except BaseException as exc:  # re-raised by the caller
             out[me] = (False, exc)
         finally:
+            self.mark(SEGMENT_END, me)
             with self.cv:
                 self.done[me] = True
                 self.turn = 1 - me
@@ -131,20 +192,25 @@ def _caller_state(grad: bool, casts: list[tuple[str, torch.dtype]]) -> Iterator[
         yield
 
 
-def run_interleaved(first: Callable[[], T], second: Callable[[], Any]) -> tuple[T, int]:
+def run_interleaved(
+    first: Callable[[], T],
+    second: Callable[[], Any],
+    names: tuple[str, str] = _PHASES,
+) -> tuple[T, int]:
     """Run ``first()`` and ``second()`` interleaved at their in-flight points (see the module
     docstring); return ``first``'s result and how many times the baton changed hands (0: the
     two ran one after the other); ``first`` starts. Every rank calls it with the same pair of
     computations. Each side's collectives are marked as its own (hp-dtensor's
     ``comm.set_lane``), so a layer's check for collectives it leaked sees only its side's. An
     exception of either side is raised here once both sides have stopped (the other side runs
-    to its end alone)."""
+    to its end alone). ``names``: the two sides' segment names in a recorded trace (default
+    ``("forward", "backward")``)."""
     global _current
     if _current is not None:
         raise RuntimeError("run_interleaved does not nest")
     grad = torch.is_grad_enabled()
     casts = [(d, t) for d in ("cpu", "cuda", "npu") if (t := autocast_dtype(d)) is not None]
-    baton = _Baton()
+    baton = _Baton(names)
     out: list[Any] = [None, None]
     threads = []
     for me, fn in enumerate((first, second)):

@@ -40,7 +40,7 @@ from hyper_parallel.models.documents import TABLE_KEYS
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import DP_MESH_DIMS, MESH_DIMS, check_mesh, cp_tp
 from hyper_parallel.models.parallelize import _roles, apply_parallel
-from hyper_parallel.models.pipeline.interleave import hold_backward_end, run_interleaved
+from hyper_parallel.models.pipeline.interleave import hold_backward_end, run_interleaved, segment
 from hyper_parallel.models.pipeline.p2p import every_work
 from hyper_parallel.models.pipeline.schedules import (
     ScheduleSpec,
@@ -57,6 +57,7 @@ from hyper_parallel.models.pipeline.split import (
 )
 from hyper_parallel.models.pipeline.stages import Feed, StageModule, stage_model
 from hyper_parallel.models.state import OWNER, plan_of
+from hyper_parallel.moe.dispatch import dispatcher_label
 
 __all__ = ["FORWARD_BACKWARD", "PipelinedModel", "pipeline_model", "split_mesh"]
 
@@ -432,7 +433,9 @@ class PipelinedModel:
         of micro-batch k and the backward of micro-batch k−1 interleaved node by node
         (:func:`~hyper_parallel.models.pipeline.interleave.run_interleaved`), then the last
         backward alone. FSDP2 accumulates unreduced gradients until that last backward, which
-        reduce-scatters them (its public gradient-accumulation switches)."""
+        reduce-scatters them (its public gradient-accumulation switches). Under hp-dtensor's
+        event recorder each running stretch is a segment ``forward mb k`` / ``backward mb k``
+        (:func:`~hyper_parallel.models.pipeline.interleave.segment_spans`)."""
         mod = self._modules[0]
         fsdp: Any = mod if hasattr(mod, "set_requires_gradient_sync") else None
 
@@ -451,7 +454,8 @@ class PipelinedModel:
 
         m = self.microbatches
         losses: list[Tensor] = []
-        loss = forward(0)
+        with segment("forward mb0", "forward"):
+            loss = forward(0)
         sync(False)
         self.switches = []
         for k in range(1, m):
@@ -459,11 +463,13 @@ class PipelinedModel:
             loss, switches = run_interleaved(
                 lambda k=k: forward(k),  # type: ignore[misc]
                 lambda prev=prev: backward(prev),  # type: ignore[misc]
+                names=(f"forward mb{k}", f"backward mb{k - 1}"),
             )
             self.switches.append(switches)
             losses.append(prev.detach())
         sync(True)
-        backward(loss)
+        with segment(f"backward mb{m - 1}", "backward"):
+            backward(loss)
         losses.append(loss.detach())
         return losses
 
@@ -500,7 +506,10 @@ def _pipeline_fields(args: Any) -> dict[str, Any]:
         "roles": _roles(args.model),
         "param_count": sum(1 for _ in args.model.parameters()),
         "mesh": (tuple(args.mesh.mesh.shape), args.mesh.mesh_dim_names),
-        "options": sorted((k, repr(v)) for k, v in args.kwargs.items()),
+        "options": sorted(
+            (k, dispatcher_label(v) if k == "dispatcher" else repr(v))
+            for k, v in args.kwargs.items()
+        ),
     }
 
 
