@@ -16,6 +16,13 @@ names) from its launch to the end of its wait, and the time a stage blocks waiti
 ``wait p2p:…`` span on the compute lane (the bubble). They are torch internals
 (``torch.distributed.pipelining.schedules._batch_p2p`` / ``_wait_batch_p2p``): where missing,
 nothing is recorded.
+
+:func:`micro_batch_lane`: under ``--overlap forward_backward`` (``pipeline_model(...,
+overlap="forward_backward")`` at pp = 1) each micro-batch's running stretches, as hp-models
+records them (``forward mb1``, ``backward mb0``, ...: from a start or a hand-over to the next
+hand-over; ``hyper_parallel.models.pipeline.interleave.segment_spans``), on a lane of their own
+(tid 2, ``micro-batches``): a ``forward mb1`` stretch that starts while ``moe:combine0:grad`` is
+on the comm lane is micro-batch 1's forward running under micro-batch 0's combine.
 """
 
 from __future__ import annotations
@@ -189,3 +196,23 @@ def bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> f
     if schedule == "Interleaved1F1B":
         return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
     return None
+
+
+def micro_batch_lane(trace: dict[str, Any], events: list[Any], pid: int) -> int:
+    """Add the recorded micro-batch segments (see the module docstring) of ``events`` (the
+    recorder's, whose first event is the trace's time 0) to ``trace`` on tid 2; return how many
+    were added (0: none recorded, the trace unchanged)."""
+    from hyper_parallel.models.pipeline.interleave import segment_spans
+
+    spans = segment_spans(events)
+    if not spans:
+        return 0
+    t0 = events[0].t_ns
+    out = trace.setdefault("traceEvents", [])
+    out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 2,
+                "args": {"name": "micro-batches"}})  # fmt: skip
+    for name, phase, begin, end in spans:
+        out.append({"name": name, "ph": "X", "ts": (begin - t0) / 1000.0,
+                    "dur": max(end - begin, 0) / 1000.0, "pid": pid, "tid": 2,
+                    "args": {"phase": phase}})  # fmt: skip
+    return len(spans)

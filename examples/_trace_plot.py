@@ -16,6 +16,12 @@ pipeline stage is a span of its own (``stage S mb K``, labelled ``F K`` / ``B K`
 front where a rank holds several stages) with the layers' spans nested inside, torch's sends
 and receives between the stages are on the comm lane (``p2p:…``, teal) and the time a stage
 waits for one is a red ``wait`` span between the micro-batches: the pipeline's bubble.
+
+Under ``--overlap forward_backward`` a third lane per rank, ``micro-batches`` (tid 2,
+examples/_pipeline_meter.py's ``micro_batch_lane``), shows each micro-batch's running
+stretches (``forward mb1`` dark, ``backward mb0`` light, labelled ``F1`` / ``B0``): a forward
+stretch starting under a ``moe:combine…`` bar of the comm lane is one micro-batch's forward
+computing while the other's combine is in flight.
 """
 
 from __future__ import annotations
@@ -85,6 +91,19 @@ def _comm_colour(name: str) -> tuple[str, float]:
     return (MOE_COMM, 0.9) if name.startswith("moe:") else (COMM, 0.8)
 
 
+def _draw_segments(ax: Any, spans: list[dict[str, Any]], y: float, t_end: float) -> None:
+    """The micro-batches' running stretches (tid 2): forward dark, backward light."""
+    for e in spans:
+        backward = e["name"].startswith("backward")
+        start, width = e["ts"] / 1e3, max(e["dur"] / 1e3, t_end * 2e-4)
+        alpha = 0.25 if backward else 0.6
+        ax.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=PIPE, alpha=alpha,
+                       edgecolor="white", linewidth=0.3)  # fmt: skip
+        if width > t_end * 0.012:
+            label = ("B" if backward else "F") + e["name"].rsplit("mb", 1)[-1]
+            ax.text(start + width / 2, y, label, ha="center", va="center", fontsize=6)
+
+
 def _draw_lane(ax: Any, spans: list[dict[str, Any]], y: float, comm: bool, t_end: float) -> None:
     depths = [0] * len(spans) if comm else nesting_depth(spans)
     several = len({e["name"].split()[1] for e in spans if e["name"].startswith("stage ")}) > 1
@@ -119,14 +138,20 @@ def plot_trace(trace: dict[str, Any], path: Path, title: str,
     lanes = spans_by_rank(trace)
     ranks = sorted(lanes)
     t_end = max((e["ts"] + e["dur"]) / 1e3 for r in ranks for s in lanes[r].values() for e in s)
-    fig, ax = plt.subplots(figsize=(12, 0.9 + 1.1 * max(len(ranks), 1)))
+    segments = any(lanes[r].get(2) for r in ranks)  # --overlap forward_backward
+    pitch = 3.6 if segments else 2.6
+    fig, ax = plt.subplots(figsize=(12, 0.9 + (1.5 if segments else 1.1) * max(len(ranks), 1)))
     ticks, labels = [], []
     for i, rank in enumerate(ranks):
-        base = 2.6 * (len(ranks) - 1 - i)
+        base = pitch * (len(ranks) - 1 - i) + (1.0 if segments else 0.0)
         for tid, y in ((0, base + 1.0), (1, base)):
             _draw_lane(ax, lanes[rank].get(tid, []), y, comm=tid == 1, t_end=t_end)
             ticks.append(y)
             labels.append(f"rank {rank} {'compute' if tid == 0 else 'comm'}")
+        if segments:
+            _draw_segments(ax, lanes[rank].get(2, []), base - 1.0, t_end)
+            ticks.append(base - 1.0)
+            labels.append(f"rank {rank} micro-batches")
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.set_xlim(0, t_end * 1.01)
     ax.set_xlabel(xlabel)
@@ -145,6 +170,9 @@ def plot_trace(trace: dict[str, Any], path: Path, title: str,
     if any(e["name"].startswith("stage ") for r in ranks for e in lanes[r].get(0, [])):
         legend.append(Patch(color=PIPE, alpha=0.3, label="a pipeline stage's micro-batch K: F K "
                             "forward, B K backward (its layers inside)"))  # fmt: skip
+    if segments:
+        legend.append(Patch(color=PIPE, alpha=0.6, label="a micro-batch running (F k forward, "
+                            "B k backward), hand-over to hand-over"))  # fmt: skip
     if any(e["name"].startswith("p2p:") for r in ranks for e in lanes[r].get(1, [])):
         legend.append(Patch(color=P2P, label="pipeline send / receive between stages (torch)"))
     ax.legend(handles=legend, fontsize=7, loc="upper center", ncol=2,

@@ -11,6 +11,8 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py --experts 0 # dense MLPs only
     torchrun --standalone --nproc-per-node 4 examples/train.py --model path/to/hf-folder
     torchrun --standalone --nproc-per-node 4 examples/train.py --pp 2 --microbatches 4  # pipeline
+    torchrun --standalone --nproc-per-node 4 examples/train.py --overlap forward_backward \
+        --microbatches 2  # micro-batch k's forward interleaved with k-1's backward (pp = 1)
 
 A tiny random ``KimiLinearForCausalLM`` (KDA and MLA layers), ``DeepseekV3ForCausalLM`` (MLA
 layers) or ``Qwen3NextForCausalLM`` (Gated DeltaNet "gdn" and gated GQA attention "attn"
@@ -26,6 +28,12 @@ slices. ``--pp N`` (N >= 2) cuts the model into pipeline stages instead
 (``pipeline_model``: ``--schedule``, one of torch's schedules by name, ``--microbatches`` a step,
 ``--stages-per-rank``, ``--layer-split``), each stage parallelised over its ``--mesh`` ranks
 (mesh ``("pp", [dp,] cp, tp)``), every step ``PipelinedModel.step`` on the global batch.
+``--overlap``: ``on`` (default) each layer's own overlap of its exchanges with its compute,
+``off`` every exchange waited at once, ``forward_backward`` (at ``--pp 1``, with
+``--microbatches`` >= 2, default 2) the step cut into micro-batches whose forward and backward
+interleave: micro-batch k's forward runs while micro-batch k-1's backward has an exchange in
+flight and the other way round (``pipeline_model(..., overlap="forward_backward")`` over the
+``([dp,] cp, tp)`` mesh, every step ``PipelinedModel.step`` on the global batch).
 Trained with AdamW on a learnable synthetic token stream (examples/_data.py;
 ``--packed``: each row holds documents of random lengths), the routers' bias balanced after
 every step (``balance_experts``, DeepSeek-V3's auxiliary-loss-free balancing;
@@ -88,6 +96,8 @@ FAMILIES = {"kimi_linear": "kimi-linear", "deepseek_v3": "deepseek-v3", "qwen3_n
 SHAPE = ("layers", "hidden", "ffn", "experts", "top_k", "moe_ffn", "dense_layers", "heads",
          "kv_heads", "kda_head_dim")  # fmt: skip
 AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+FB = "forward_backward"
+OVERLAP = ("on", "off", FB)  # --overlap: pipeline_model / parallelize_model's overlap=
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,7 +116,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(pp, [dp,] cp, tp) mesh; default 1: no pipeline)")  # fmt: skip
     add("--schedule", choices=list(SCHEDULES), default="1F1B", help="--pp: torch's schedule")
     add("--microbatches", type=int, help="--pp: micro-batches a step (default: the stages, "
-        "pp x stages-per-rank)")  # fmt: skip
+        "pp x stages-per-rank); --overlap forward_backward: 2 or more (default 2)")  # fmt: skip
+    add("--overlap", choices=OVERLAP, default="on", help="on: each layer overlaps its "
+        "exchanges with its own compute; off: every exchange waited at once; forward_backward "
+        "(--pp 1): micro-batch k's forward interleaved with k-1's backward at their exchanges, "
+        "the layers' own overlap kept")  # fmt: skip
     add("--stages-per-rank", type=int, help="--pp: stages a pipeline rank holds (default 1; 2 "
         "for the interleaved and V schedules)")  # fmt: skip
     add("--layer-split", help="--pp: decoder layers a stage, e.g. 1,3 (default: balanced by "
@@ -143,12 +157,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", default="out")
     add("--timeout", type=float, default=600.0, help="collective timeout (s)")
     args = p.parse_args(argv)
-    piped = ("microbatches", "stages_per_rank", "layer_split")
+    piped = ("stages_per_rank", "layer_split") + ("microbatches",) * (args.overlap != FB)
     if args.pp < 1:
         p.error("--pp takes a number of pipeline ranks >= 1")
+    if args.overlap == FB and args.pp > 1:
+        p.error("--overlap forward_backward interleaves the micro-batches of one stage: it "
+                f"runs at --pp 1, not --pp {args.pp} (pipeline stages: --overlap on)")  # fmt: skip
     if args.pp == 1 and (args.schedule != "1F1B" or any(getattr(args, o) for o in piped)):
         p.error("--schedule, --microbatches, --stages-per-rank and --layer-split configure a "
-                "pipeline: give --pp (>= 2)")  # fmt: skip
+                "pipeline: give --pp (>= 2) (--microbatches at --pp 1: with --overlap "
+                "forward_backward)")  # fmt: skip
+    if args.overlap == FB:
+        args.microbatches = 2 if args.microbatches is None else args.microbatches
+        if args.microbatches < 2:
+            p.error(
+                "--overlap forward_backward pairs one micro-batch's forward with another's "
+                f"backward: it needs --microbatches 2 or more, got {args.microbatches}"
+            )
     if args.mesh is None:  # 4 ranks in all
         args.mesh = "2,2" if args.pp == 1 else f"{max(1, 4 // args.pp)},1"
     args.mesh = tuple(int(v) for v in args.mesh.split(",") if v.isdigit())
@@ -174,6 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--mesh takes cp,tp or dp,cp,tp (positive sizes)")
     if args.pp > 1:
         pipeline_options(p, args, dp)
+    elif args.overlap == FB:
+        microbatch_rows(p, args, dp)
     else:
         args.batch = args.batch or (dp if args.packed else 2)
     allowed = MIXERS[args.family]
@@ -188,7 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.kv_heads = max(1, args.heads // 2) if qwen else args.heads
         if not 1 <= args.heads <= args.hidden or args.kv_heads < 1 or args.heads % args.kv_heads:
             p.error(f"--heads takes 1 to --hidden ({args.hidden}), --kv-heads a divisor of it")
-    if args.packed and args.pp == 1 and args.batch != dp:  # one packed row per dp replica
+    # one packed row per dp replica (micro-batches: per replica and micro-batch, checked above)
+    if args.packed and args.pp == 1 and args.overlap != FB and args.batch != dp:
         p.error(f"--packed takes one row per data-parallel replica: --batch {dp}")
     n, ranks = len(args.mixers), math.prod(args.mesh)  # ep: within a pipeline stage's ranks
     args.dims = (args.pp, *args.mesh) if args.pp > 1 else args.mesh
@@ -231,11 +259,17 @@ def pipeline_options(p: argparse.ArgumentParser, args: argparse.Namespace, dp: i
         check_schedule(args.schedule, args.pp, args.stages_per_rank, args.microbatches)
     except (TypeError, ValueError) as exc:
         p.error(str(exc))
+    microbatch_rows(p, args, dp)
+
+
+def microbatch_rows(p: argparse.ArgumentParser, args: argparse.Namespace, dp: int) -> None:
+    """The batch of a micro-batched step (``--pp`` or ``--overlap forward_backward``): a
+    multiple of microbatches·dp rows (default: that many)."""
     rows = args.microbatches * dp  # PipelinedModel.step: B/m rows a micro-batch, B/(m·dp) a replica
     args.batch = args.batch or rows
     if args.packed and args.batch != rows:
-        p.error(f"--packed with --pp takes one packed row per data-parallel replica and "
-                f"micro-batch: --batch {rows}")  # fmt: skip
+        p.error(f"--packed with micro-batches takes one packed row per data-parallel replica "
+                f"and micro-batch: --batch {rows}")  # fmt: skip
     if args.batch < 1 or args.batch % rows:
         p.error(f"--batch {args.batch} does not divide into microbatches·dp = "
                 f"{args.microbatches}·{dp} = {rows} (each micro-batch takes B/microbatches "
@@ -413,9 +447,15 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
     names = args.dim_names  # ("pp",) dp outermost, then cp, tp
     mesh = unflatten(world, "world", args.dims, names)
     # --pp: pipeline_model's options; every other one goes to parallelize_model for each stage
-    piped = {} if args.pp == 1 else dict(
-        microbatches=args.microbatches, schedule=args.schedule,
-        stages_per_rank=args.stages_per_rank, layer_split=args.layer_split)  # fmt: skip
+    piped: dict[str, Any] = {}
+    if args.pp > 1:
+        piped = dict(microbatches=args.microbatches, schedule=args.schedule,
+                     stages_per_rank=args.stages_per_rank,
+                     layer_split=args.layer_split)  # fmt: skip
+    elif args.overlap == FB:  # pp = 1: micro-batches interleaved forward/backward
+        piped = dict(microbatches=args.microbatches, overlap=FB)
+    # --overlap off: every layer's exchanges blocking (default: each layer overlaps its own)
+    layer_overlap = {"overlap": False} if args.overlap == "off" else {}
     params = 0
     model: Any
     if args.folder is None:  # the tiny random model, parallelised in one call
@@ -423,15 +463,16 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
         if piped:  # cut into stages (this rank's returned), each stage parallelised
             params = sum(p.numel() for p in model.parameters())  # every stage's
             model = pipeline_model(model, mesh, grad_reduction=args.grad_reduction, ep=args.ep,
-                                   **piped)  # fmt: skip
+                                   **piped, **layer_overlap)  # fmt: skip
         else:
-            parallelize_model(model, mesh, grad_reduction=args.grad_reduction, ep=args.ep)
+            parallelize_model(model, mesh, grad_reduction=args.grad_reduction, ep=args.ep,
+                              **layer_overlap)  # fmt: skip
     else:  # a Hugging Face folder, parallelised as it loads: each rank reads only its slices
         eager = args.dtype == "float64"  # grouped_mm has no float64
         model = from_pretrained(args.folder, mesh, dtype=getattr(torch, args.dtype), ep=args.ep,
                                 grad_reduction=args.grad_reduction,
                                 experts_implementation="eager" if eager else None,
-                                **piped)  # fmt: skip
+                                **piped, **layer_overlap)  # fmt: skip
     if rank == 0:
         stock = model.parts[0] if piped else model  # a pipeline: this rank's first stage
         mine = " in rank 0's stages" if piped and not params else ""  # a pipelined folder
@@ -448,8 +489,13 @@ def main(argv: list[str] | None = None, hooks: Any = None) -> list[float]:
               f"on {args.device}; "
               f"{args.batch} x {args.seq} tokens per step{', packed documents' * args.packed}; "
               f"autocast {args.autocast}; {args.steps} steps", flush=True)  # fmt: skip
-        if piped:
+        if args.pp > 1:
             print(describe_pipeline(model, mesh, args), flush=True)
+        elif args.overlap == FB:
+            print(f"forward/backward overlap: {args.microbatches} micro-batches of "
+                  f"{args.batch // args.microbatches} x {args.seq} tokens a step, micro-batch "
+                  "k's forward interleaved with k-1's backward at their exchanges",
+                  flush=True)  # fmt: skip
         if (report := load_report(model)) is not None:
             print(f"loaded {report.path} ({report.family}): rank 0 read "
                   f"{report.bytes_read:,} of {report.folder_bytes:,} bytes in "

@@ -14,6 +14,7 @@ curves agree; meter, trace and report the parallel run, and keep every process u
     python examples/train_hybrid.py --dtype float32        # train.py's dtype (CPU: float64)
     python examples/train_hybrid.py --model path/to/hf-folder [--no-serial]
     python examples/train_hybrid.py --pp 2 --schedule 1F1B --microbatches 4   # pipeline
+    python examples/train_hybrid.py --overlap forward_backward --microbatches 2
 
 Options of its own are listed below; every other one goes to examples/train.py (its --help
 lists them). The harness starts torchrun on ``prod(--mesh)`` (times ``--pp``) local ranks,
@@ -34,6 +35,14 @@ rank's idle share of ``PipelinedModel.step`` beside the schedule's bubble, and a
 (the hidden states and gradients sent between stages); the trace shows each micro-batch's
 forward and backward of each stage (``F k`` / ``B k``), the layers inside, the sends and
 receives between the stages and the waits for them, every rank on one clock.
+
+``--overlap forward_backward --microbatches 2`` (train.py's, pp = 1): the step's two
+micro-batches run with micro-batch 1's forward interleaved with micro-batch 0's backward at
+their exchanges (``pipeline_model(..., overlap="forward_backward")``); the serial model and the
+comparison are the same. The trace adds a ``micro-batches`` lane under each rank's comm lane:
+each micro-batch's running stretches (``forward mb1``, ``backward mb0``, from a hand-over to
+the next), so a ``forward mb1`` stretch beside micro-batch 0's ``moe:combine0:grad`` on the
+comm lane is one micro-batch's forward computing under the other's combine.
 On CPU without ``--autocast`` the weights are float64 unless ``--dtype`` is given (train.py's
 default is float32). The MoE routers pick experts by comparing float32 scores: from float32
 weights the two runs' hidden states differ by rounding, a token whose scores are a near-tie
@@ -93,7 +102,7 @@ import torch
 import train
 from _fsdp_trace import FsdpCapture, add_spans
 from _meter import LayerMeter
-from _pipeline_meter import StageMeter, bubble, p2p_spans
+from _pipeline_meter import StageMeter, bubble, micro_batch_lane, p2p_spans
 from _trace_plot import plot_trace
 
 from hyper_parallel.dtensor.devices import bind_device
@@ -267,6 +276,7 @@ class RankHooks:
             self.pipeline_step_s.append(stages.step_s)
         if profiling:
             self.trace = rec.to_chrome_trace(pid=self.rank)
+            micro_batch_lane(self.trace, rec.events, self.rank)  # --overlap forward_backward
             self.collectives = collectives_by_layer(rec.events)
             self.trace_origin_ns = rec.events[0].t_ns if rec.events else 0
             if fsdp is not None and rec.events:  # FSDP2's collectives on the comm lane too
@@ -759,6 +769,8 @@ def summarize(h: argparse.Namespace, t: argparse.Namespace, record: dict[str, An
     mesh = " x ".join(f"{k}={v}" for k, v in record["mesh"].items())
     moe = f", {t.experts} experts over ep={t.ep}" if "moe" in t.mlps else ""
     pipe = f", {t.schedule} x {t.microbatches} micro-batches" if t.pp > 1 else ""
+    if t.overlap == train.FB:
+        pipe = f", forward/backward overlap x {t.microbatches} micro-batches"
     what = f"{train.model_name(t)} {','.join(t.mixers)}{moe}, {mesh}{pipe}"
     png = out / "loss_curves.png"
     versus = f"max rel diff {rel:.1e} (tol {h.tol:.0e})" if run is not None else "no serial run"

@@ -600,6 +600,60 @@ def test_pipeline_options_fail_with_the_library_errors_before_any_rank(capsys):
     assert "give --pp (>= 2)" in capsys.readouterr().err
 
 
+# python3 tools/dev.py train --overlap forward_backward --microbatches 2 [--model deepseek-v3]
+
+
+def test_forward_backward_overlap_option_runs_micro_batches_at_pp_1(capsys):
+    """--overlap forward_backward: pipeline_model over the pp = 1 mesh with 2 micro-batches by
+    default (the batch: microbatches·dp rows); refused with --pp >= 2 and with fewer than 2
+    micro-batches; --microbatches at --pp 1 only with it; on / off pass through. The trace's
+    micro-batch lane: the recorded segments, on the recorder's clock."""
+    import train
+    import train_hybrid
+    from _pipeline_meter import micro_batch_lane
+
+    from hyper_parallel.dtensor.recorder import Event
+
+    t = train.parse_args(["--overlap", "forward_backward"])
+    assert (t.pp, t.dims, t.dim_names, t.microbatches, t.batch, t.ranks) == (
+        1, (2, 2), ("cp", "tp"), 2, 2, 4
+    )  # fmt: skip
+    t = train.parse_args(["--overlap", "forward_backward", "--mesh", "2,1,1", "--microbatches",
+                          "3"])  # fmt: skip
+    assert (t.dims, t.dim_names, t.microbatches, t.batch) == ((2, 1, 1), ("dp", "cp", "tp"), 3, 6)
+    assert train.parse_args([]).overlap == "on"
+    assert train.parse_args(["--overlap", "off"]).microbatches is None
+    assert train_hybrid.parse_args(["--overlap", "forward_backward"])[2].ranks == 4
+    for argv, said in (
+        (["--pp", "2"], "--overlap forward_backward interleaves the micro-batches of one stage"),
+        (["--microbatches", "1"], "it needs --microbatches 2 or more, got 1"),
+        (["--batch", "3"], "--batch 3 does not divide into microbatches·dp = 2·1 = 2"),
+        (["--schedule", "GPipe"], "give --pp (>= 2)"),
+    ):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--overlap", "forward_backward", *argv])
+        assert said in capsys.readouterr().err, (argv, said)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--overlap", "off", "--microbatches", "2"])
+    assert "with --overlap forward_backward" in capsys.readouterr().err
+
+    def ev(kind, name, t_ns):
+        return Event(kind, name, name.split()[0], t_ns)
+
+    trace = {"traceEvents": []}
+    events = [ev("segment_begin", "forward mb0", 1000), ev("segment_end", "forward mb0", 3000),
+              ev("segment_begin", "forward mb1", 3000), ev("segment_end", "forward mb1", 4000),
+              ev("segment_begin", "backward mb0", 4500),
+              ev("segment_end", "backward mb0", 6000)]  # fmt: skip
+    assert micro_batch_lane(trace, events, pid=1) == 3
+    spans = [(e["name"], e["ts"], e["dur"], e["tid"]) for e in trace["traceEvents"]
+             if e["ph"] == "X"]  # fmt: skip
+    assert spans == [("forward mb0", 0.0, 2.0, 2), ("forward mb1", 2.0, 1.0, 2),
+                     ("backward mb0", 3.5, 1.5, 2)]  # fmt: skip
+    empty: dict = {"traceEvents": []}
+    assert micro_batch_lane(empty, events[:1], 0) == 0 and not empty["traceEvents"]
+
+
 def test_pipeline_stage_meter_times_and_traces_each_micro_batch():
     """StageMeter wraps torch's stages as pm.step builds them: each stage's forward and
     backward summed over the micro-batches, a recorder span per micro-batch, the step's wall
