@@ -7,6 +7,13 @@ interleaved, median of the repetitions:
 - ``hp_ep1``: ``parallelize_model(model, mesh, ep=1)``: the same, every expert whole on every
   rank (each rank runs its own tokens through its own copy), expert gradients all-reduced over
   all 4 ranks with the other whole parameters;
+- ``hp_fb_ep4``: ``pipeline_model(model, mesh, microbatches=2, ep=4,
+  overlap="forward_backward")`` at pp = 1 on the same mesh: the global batch in two
+  micro-batches of one row, micro-batch 1's forward interleaved with micro-batch 0's backward
+  at their exchanges, each layer's own overlap kept; its step is ``pm.step`` on the global
+  batch, then ``sync_gradients`` and AdamW like the others. Its bytes are counted by
+  ``simulated_link`` (the dispatcher-level counter is a dispatch mode, thread-local, blind to
+  the interleaved sides' threads) and it has no peak memory figure for the same reason;
 - ``hf_ep4``: ``hp_ep1`` with every ``model.model.layers[i].mlp.experts`` then handed to
   transformers 5.23's own ``AllToAllEP`` over the same 4 ranks (``_hf_ep.hf_all_to_all_ep``
   from hp-moe's benchmarks: what the model's ``base_model_ep_plan`` entry
@@ -22,7 +29,9 @@ interleaved, median of the repetitions:
 
 Model: ``tiny_model("deepseek")`` in float32, hidden 128, 4 layers (``first_k_dense_replace=1``:
 one dense MLP layer, 3 MoE layers), E = 16 routed experts, top-4, one shared expert; mesh
-(cp, tp) = (2, 2), batch B = 1, ``seq`` tokens (each rank holds seq/4). ``grad_reduction=
+(cp, tp) = (2, 2), batch B = ``--bsz`` rows (default 2, for every configuration: the
+micro-batched one needs B divisible by its 2 micro-batches; records before 2026-12-06 used
+B = 1) of ``seq`` tokens (each rank holds seq/4 of each row). ``grad_reduction=
 "allreduce"`` for all three: the one reduction the transformers configuration can use as
 is (under the FSDP2 default its experts, DTensors on their own ep mesh after the swap, would
 sit inside blocks FSDP2 already wrapped; not attempted). Every experts module runs the
@@ -72,7 +81,7 @@ from hyper_parallel.dtensor.benchmarking import (
     write_records,
 )
 from hyper_parallel.dtensor.comm import all_to_all_v_bytes, link_bytes
-from hyper_parallel.models import parallelize_model, shard_batch, sync_gradients
+from hyper_parallel.models import parallelize_model, pipeline_model, shard_batch, sync_gradients
 from hyper_parallel.models.testing import random_batch, tiny_model
 
 # transformers' AllToAllEP on one experts module lives with hp-moe's benchmarks
@@ -234,6 +243,27 @@ class _Case:
         self.grads()
         self.opt.step()
 
+    def loss(self) -> float:
+        with torch.no_grad():
+            return float(self.model(**self.local).loss)
+
+
+class _PipeCase(_Case):
+    """``pipeline_model(..., overlap="forward_backward")``: ``pm.step`` on the global batch."""
+
+    def __init__(self, pm: Any, batch: dict[str, torch.Tensor]) -> None:
+        super().__init__(pm, batch, False)
+
+    def grads(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.last = float(self.model.step(**self.local))
+        sync_gradients(self.model)
+
+    def loss(self) -> float:
+        self.grads()
+        self.opt.zero_grad(set_to_none=True)
+        return self.last
+
 
 def _grad_diffs(cases: dict[str, _Case]) -> dict[str, float]:
     """Max abs difference of every gradient after one step's ``grads()`` from ``hp_ep1``'s
@@ -243,7 +273,7 @@ def _grad_diffs(cases: dict[str, _Case]) -> dict[str, float]:
         case.grads()
     rank, out = dist.get_rank(), {}
     ref = dict(cases["hp_ep1"].model.named_parameters())
-    for name in ("hp_ep4", "hf_ep4"):
+    for name in ("hp_ep4", "hf_ep4", "hp_fb_ep4"):
         worst = 0.0
         for pname, p in cases[name].model.named_parameters():
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -268,7 +298,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     device = torch.device(cfg["device"])
     world = init_device_mesh(device.type, (WORLD,), mesh_dim_names=("world",))
     mesh = unflatten(world, "world", (2, WORLD // 2), ("cp", "tp"))
-    batch = random_batch(vocab=VOCAB, bsz=1, seq=cfg["seq"], seed=1)
+    batch = random_batch(vocab=VOCAB, bsz=cfg["bsz"], seq=cfg["seq"], seed=1)
     local = {k: v.to(device) for k, v in shard_batch(batch, mesh).items()}
 
     hp4 = parallelize_model(_build(cfg, device), mesh, ep=WORLD, grad_reduction="allreduce")
@@ -276,28 +306,34 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     hf4 = parallelize_model(_build(cfg, device), mesh, ep=1, grad_reduction="allreduce")
     for experts in _experts(hf4):
         _hf_ep.hf_all_to_all_ep(experts, world)
-    models = {"hp_ep4": hp4, "hp_ep1": hp1, "hf_ep4": hf4}
-    cases = {name: _Case(m, local, name == "hf_ep4") for name, m in models.items()}
+    fb4 = pipeline_model(_build(cfg, device), mesh, microbatches=2, ep=WORLD,
+                         overlap="forward_backward", grad_reduction="allreduce")  # fmt: skip
+    models = {"hp_ep4": hp4, "hp_ep1": hp1, "hf_ep4": hf4, "hp_fb_ep4": fb4}
+    cases: dict[str, _Case] = {n: _Case(m, local, n == "hf_ep4") for n, m in models.items()
+                               if n != "hp_fb_ep4"}  # fmt: skip
+    cases["hp_fb_ep4"] = _PipeCase(fb4, {k: v.to(device) for k, v in batch.items()})
 
     # the first step of each also checks that the three agree on the loss
     losses = {}
     for name, case in cases.items():
-        with torch.no_grad():
-            losses[name] = float(case.model(**local).loss)
+        losses[name] = case.loss()
     grad_diff = _grad_diffs(cases)
     times = interleaved_timing(cases, repeats=cfg["repeats"], warmup=1, device=device)
     peak, moved, by_op, sim, params = {}, {}, {}, {}, {}
     for name, fn in cases.items():
-        peak[name] = int(max_over_ranks(float(peak_memory_bytes(fn, device))))
+        piped = name == "hp_fb_ep4"  # its sides' threads: no dispatch-mode counts
+        peak[name] = None if piped else int(max_over_ranks(float(peak_memory_bytes(fn, device))))
         with _DispatchBytes() as counter:
             fn()
-        moved[name] = int(max_over_ranks(float(counter.bytes)))
-        by_op[name] = counter.by_op
         sim[name] = int(max_over_ranks(float(bytes_per_call(fn))))
-        params[name] = int(max_over_ranks(float(_expert_param_bytes(models[name]))))
+        moved[name] = sim[name] if piped else int(max_over_ranks(float(counter.bytes)))
+        by_op[name] = {} if piped else counter.by_op
+        held = models[name].parts[0] if piped else models[name]
+        params[name] = int(max_over_ranks(float(_expert_param_bytes(held))))
     extra = {
         "model": cfg["model"],
         "seq": cfg["seq"],
+        "bsz": cfg["bsz"],
         "hidden": cfg["hidden"],
         "experts": cfg["experts"],
         "top_k": cfg["top_k"],
@@ -315,7 +351,8 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         "load_avg_start": cfg["load_avg_start"],
         "load_avg_end": _loadavg(),
     }
-    pairs = [("hp_ep4", "hp_ep1"), ("hp_ep4", "hf_ep4")]
+    pairs = [("hp_ep4", "hp_ep1"), ("hp_ep4", "hf_ep4"), ("hp_fb_ep4", "hf_ep4"),
+             ("hp_fb_ep4", "hp_ep4")]  # fmt: skip
     return [
         bench_record(
             f"{PREFIXES[cfg['model']]}/{a}_vs_{b}",
@@ -353,12 +390,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--model", choices=sorted(PREFIXES), default="deepseek-v3")
+    p.add_argument("--bsz", type=int, default=2, help="rows a step (every configuration)")
     a = p.parse_args(argv)
     seq, hidden, repeats = (128, 64, 2) if a.quick else (256, 128, 9)
     cfg = {
         "model": a.model,
         "device": a.device,
         "seq": a.seq or seq,
+        "bsz": a.bsz,
         "hidden": a.hidden or hidden,
         "experts": 16,
         "top_k": 4,

@@ -1,0 +1,250 @@
+"""Forward/backward overlap across micro-batches (``pipeline_model(...,
+overlap="forward_backward")``) under a modeled link: how much of a training step's exchange
+time (MoE dispatch and combine and their gradients, plus the other exchanges of the step) the
+step hides, against the same step with every exchange blocking.
+
+A stock DeepSeek-V3 MoE model (float32, hidden 256, 4 layers of which 3 MoE: 16 routed experts
+top-4 of intermediate 256 plus one shared, dense intermediate 512; MLA attention), 2 ranks, one
+core per rank (``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``), ``ep=2``, at pp = 1 on
+the mesh ``--mesh cp`` ((cp, tp) = (2, 1): every exchange of the main job's layers, the
+context-parallel attention's all-to-alls and gathers beside the MoE dispatch and combine) or
+``--mesh dp`` ((dp, cp, tp) = (2, 1, 1): the dispatch and combine are the step's only
+exchanges besides two small blocking all-reduces). Global batch B = 2 rows of ``--seq``
+tokens, ``grad_reduction="allreduce"``. Three configurations, each two micro-batches of one
+row, every one its own model from the same seed, in ONE run, interleaved, median of the
+repetitions:
+
+- ``fb``: ``pipeline_model(model, mesh, microbatches=2, ep=2, overlap="forward_backward")``:
+  micro-batch 1's forward interleaved with micro-batch 0's backward at their exchanges (the
+  layers' own in-layer overlap kept);
+- ``blocking``: the same with ``overlap=False`` (torch's 1F1B over one stage: F0 B0 F1 B1,
+  every exchange waited at once);
+- ``in_layer``: ``overlap=True`` (each layer's own overlap: hp-moe's chunks, ``chunks="auto"``;
+  the attention's head groups), no forward/backward interleaving.
+
+One step is ``zero_grad`` + ``pm.step(**batch)`` (forward and backward of the global batch;
+``sync_gradients`` and the optimizer are left out: a blocking all-reduce that no schedule here
+can hide). Under hp-dtensor's ``simulated_link`` (every collective completes no earlier than
+launch + latency + bytes / bandwidth; the waiting thread sleeps for the rest), with the
+bandwidth calibrated on the blocking step (``calibrate_link``: its bytes take as long as its
+compute), latency 20 µs, exactly as the other modeled-link benchmarks
+(hp-moe's bench_moe.py, hp-mc2's, hp-context-parallel's): ``hidden_fraction = (T_blocking −
+T_ours) / T_link``, ``T_link`` the blocking step's modeled link seconds (hp-dtensor's
+``LinkMeasurement``). Records ``models_fb_overlap/<mesh>/link/{fb,in_layer}_vs_blocking`` and
+``.../fb_vs_in_layer`` (the ratio of the two), each with the peak tensor memory of a step
+(``peak_memory_bytes``, max over ranks; none for ``fb``: that tracker is a dispatch mode,
+thread-local, blind to the two sides' threads), ``moe_link_share`` (the dispatch and combine
+share of the blocking step's bytes over the link, from the recorder), the losses of the three (they
+must agree: same model, same batch) and ``fb_switches`` (hand-overs of the interleaved pair).
+``--repeat R`` runs the whole measurement R times and records the median run's figures with
+``hidden_fraction_runs``.
+
+    python packages/hp-models/benchmarks/bench_fb_overlap.py --out f.json [--quick]
+        [--mesh cp|dp] [--repeat R] [--seq S]
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hyper_parallel.dtensor import init_device_mesh, unflatten
+from hyper_parallel.dtensor.benchmarking import (
+    bench_arguments,
+    link_world,
+    max_over_ranks,
+    measure_under_link,
+    median_of_runs,
+    peak_memory_bytes,
+    run_facts,
+    run_ranks,
+    summary_line,
+    write_records,
+)
+from hyper_parallel.dtensor.recorder import record_events
+from hyper_parallel.models import pipeline_model
+from hyper_parallel.models.testing import random_batch, tiny_model
+
+PREFIX = "models_fb_overlap"
+WORLD = 2
+VOCAB = 512
+MESHES = {"cp": ((2, 1), ("cp", "tp")), "dp": ((2, 1, 1), ("dp", "cp", "tp"))}
+CASES = {"fb": "forward_backward", "blocking": False, "in_layer": True}
+
+
+def _build(cfg: dict[str, Any]) -> torch.nn.Module:
+    h = cfg["hidden"]
+    return tiny_model(
+        "deepseek",
+        seed=0,
+        dtype=torch.float32,
+        vocab_size=VOCAB,
+        hidden_size=h,
+        intermediate_size=2 * h,
+        moe_intermediate_size=cfg["moe_ffn"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        n_routed_experts=cfg["experts"],
+        num_experts_per_tok=cfg["top_k"],
+    )
+
+
+def _moe_share(step: Any) -> float:
+    """The MoE dispatch and combine (and their gradients) share of one step's bytes over the
+    link, this rank, from the recorder's launches (``comm.link_bytes``)."""
+    with record_events() as rec:
+        step()
+    total = sum(e.nbytes for e in rec.events if e.kind == "launch")
+    moe = sum(e.nbytes for e in rec.events if e.kind == "launch" and e.name.startswith("moe:"))
+    return moe / total if total else float("nan")
+
+
+def _measure(cfg: dict[str, Any], models: dict[str, Any], steps: dict[str, Any]) -> list[dict]:
+    m = measure_under_link(
+        steps,
+        "blocking",
+        latency_s=cfg["link_latency"],
+        repeats=cfg["repeats"],
+        runs=0,
+    )
+    # hp-dtensor's CPU tracker is a dispatch mode, which is thread-local: it does not see the
+    # tensors the interleaved sides allocate on their own threads, so fb has no figure
+    peak: dict[str, int | None] = {
+        n: None if n == "fb" else int(max_over_ranks(float(peak_memory_bytes(fn))))
+        for n, fn in steps.items()
+    }
+    losses = {n: float(models[n].last_loss) for n in steps}
+    share = max_over_ranks(_moe_share(steps["blocking"]))
+    extra = {
+        "mesh": cfg["mesh"],
+        "dims": list(MESHES[cfg["mesh"]][0]),
+        "dim_names": list(MESHES[cfg["mesh"]][1]),
+        "ep": WORLD,
+        "microbatches": 2,
+        "bsz": 2,
+        "seq": cfg["seq"],
+        "hidden": cfg["hidden"],
+        "moe_ffn": cfg["moe_ffn"],
+        "experts": cfg["experts"],
+        "top_k": cfg["top_k"],
+        "layers": 4,
+        "moe_layers": 3,
+        "dtype": "float32",
+        "grad_reduction": "allreduce",
+        "repeats": cfg["repeats"],
+        "losses": losses,
+        "loss_max_rel_diff": max(abs(v - losses["blocking"]) for v in losses.values())
+        / abs(losses["blocking"]),
+        "fb_switches": list(models["fb"].pm.switches),
+        "moe_link_share": share,
+        "link_over_compute_check": m.link_over_compute("blocking"),
+        "load_avg_start": cfg["load_avg_start"],
+        "load_avg_end": _loadavg(),
+    }
+    base = f"{PREFIX}/{cfg['mesh']}/link"
+    return [
+        m.record(
+            f"{base}/{a}_vs_{b}", a, b, peak_mem_ours=peak[a], peak_mem_baseline=peak[b], **extra
+        )
+        for a, b in (("fb", "blocking"), ("in_layer", "blocking"), ("fb", "in_layer"))
+    ]
+
+
+class _Case:
+    """One configuration: its pipelined model and step (``zero_grad`` + ``pm.step``)."""
+
+    def __init__(self, cfg: dict[str, Any], mesh: Any, overlap: Any, batch: dict) -> None:
+        self.pm = pipeline_model(
+            _build(cfg), mesh, microbatches=2, ep=WORLD, overlap=overlap,
+            grad_reduction="allreduce",
+        )  # fmt: skip
+        self.params = list(self.pm.parameters())
+        self.batch = batch
+        self.last_loss = float("nan")
+
+    def __call__(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.last_loss = float(self.pm.step(**self.batch))
+
+
+def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    dims, names = MESHES[cfg["mesh"]]
+    world = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("world",))
+    mesh = unflatten(world, "world", dims, names)
+    batch = random_batch(vocab=VOCAB, bsz=2, seq=cfg["seq"], seed=1)
+    models = {name: _Case(cfg, mesh, overlap, batch) for name, overlap in CASES.items()}
+    for case in models.values():  # the first steps (allocations, the hp-moe auto choice)
+        case()
+    runs = [_measure(cfg, models, dict(models)) for _ in range(cfg["repeat"])]
+    return median_of_runs(runs)
+
+
+def _loadavg() -> str | None:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = bench_arguments(__doc__)
+    p.add_argument("--mesh", choices=sorted(MESHES), default="cp")
+    p.add_argument("--seq", type=int, default=None, help="tokens a row (2 rows a step)")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--moe-ffn", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds a run")
+    p.add_argument("--repeat", type=int, default=1, help="runs, each interleaving every case")
+    p.add_argument("--link-latency", type=float, default=20e-6, help="modeled latency (s)")
+    p.add_argument("--world", type=int, default=None, help=f"ranks (only {WORLD})")
+    a = p.parse_args(argv)
+    if a.device != "cpu":
+        p.error("bench_fb_overlap models the link on CPU ranks (gloo): --device cpu")
+    seq, hidden, moe_ffn, repeats = (128, 128, 128, 3) if a.quick else (512, 256, 256, 7)
+    world = link_world(WORLD, a.world)
+    if world != WORLD:
+        p.error(f"bench_fb_overlap runs on {WORLD} ranks (ep 2 over the 2-rank mesh)")
+    cfg = {
+        "mesh": a.mesh,
+        "seq": a.seq or seq,
+        "hidden": a.hidden or hidden,
+        "moe_ffn": a.moe_ffn or moe_ffn,
+        "experts": 16,
+        "top_k": 4,
+        "repeats": a.repeats or repeats,
+        "repeat": max(1, a.repeat),
+        "link_latency": a.link_latency,
+        "load_avg_start": _loadavg(),
+    }
+    facts = run_facts(world)
+    records = run_ranks(_body, cfg, world_size=world, timeout=3600.0)
+    if records is None:
+        return
+    records = [{**r, **facts} for r in records]
+    write_records(a.out, records)
+    print(f"load average: {cfg['load_avg_start']} at the start, {_loadavg()} at the end")
+    for r in records:
+        print(
+            f"{summary_line(r)}  [modeled link: T_link {r['t_link_s'] * 1e3:.1f} ms, hidden "
+            f"{r['hidden_fraction']:.2f} (paired {r['hidden_fraction_paired']:.2f}), added to "
+            f"ours {r['link_added_ours_s'] * 1e3:.1f} ms, runs "
+            f"{[round(v, 2) for v in r.get('hidden_fraction_runs', [])]}, check "
+            f"{r['link_over_compute']:.2f}, moe share of bytes {r['moe_link_share']:.2f}, "
+            f"loss rel diff {r['loss_max_rel_diff']:.1e}, switches {r['fb_switches']}]"
+        )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
