@@ -27,6 +27,8 @@ from hyper_parallel.models.pipeline.interleave import (
     run_interleaved,
     segment_spans,
 )
+from hyper_parallel.models.pipeline.model import fb_overlap_schedules
+from hyper_parallel.models.pipeline.schedules import same_rank_hand_off
 from hyper_parallel.models.testing import random_batch, tiny_model
 from hyper_parallel.moe import AllToAllDispatcher
 
@@ -54,6 +56,9 @@ DP_CASES = [
     ("kimi", {"microbatches": 2, "ep": 2, "overlap": FB, "checkpointing": True}, 4, False),
 ]
 CP_TP_CASES = [("kimi", {"microbatches": 2, "ep": 2, "overlap": FB}, 2, True)]
+# pp > 1: inside DualPipeV's overlapped forward-backward actions, where this torch has them
+DUALPIPE = {"microbatches": 4, "schedule": "DualPipeV", "stages_per_rank": 2, "ep": 2}
+PP_CASES = [("kimi", {**DUALPIPE, "overlap": FB}, 8, False)]
 
 
 def _errors(mesh: Any) -> dict[str, str]:
@@ -109,6 +114,12 @@ def test_forward_backward_overlap_trains_like_the_serial_model() -> None:
     _check(results, DP_CASES)
     # the user's dispatcher ran the MoE layer of the tiny DeepSeek-V3: 2 micro-batches x 2 steps
     assert all(r["user_dispatches"] >= 4 for r in results), results
+    if fb_overlap_schedules() is None and same_rank_hand_off():
+        results = run_distributed(_run, 4, (2, 2, 1), ("pp", "cp", "tp"), PP_CASES, timeout=300)
+        for rep in results:  # DualPipeV pairs 3 forward/backward actions a rank at m = 4
+            assert rep["kimi-0"]["losses"] == results[0]["kimi-0"]["losses"]
+            sw = rep["kimi-0"]["switches"]
+            assert len(sw) == 3 and min(sw) >= 1, sw
     results = run_distributed(_run, 4, (2, 2), ("cp", "tp"), CP_TP_CASES, timeout=240)
     _check(results, CP_TP_CASES)
     for rep in results:
@@ -124,8 +135,12 @@ def test_forward_backward_overlap_trains_like_the_serial_model() -> None:
         assert err["dispatcher_at_ep1"].startswith(
             "ValueError: dispatcher='Counting:counting' moves rows between the ranks"
         ), err
-        assert err["pp"].startswith(
-            "ValueError: overlap='forward_backward' interleaves the micro-batches of one stage"
+        assert (
+            err["pp"].startswith(
+                "ValueError: overlap='forward_backward' interleaves a forward with a backward that "
+                "does not wait for it"
+            )
+            and "schedule '1F1B'" in err["pp"]
         ), err
 
 

@@ -27,6 +27,7 @@ one stage: no pipeline-dim reduction is needed.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -362,8 +363,33 @@ class PipelinedModel:
             return output.sum()
 
         if self._spec.multi:
-            return cls(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            runner = cls(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            if self.overlap == FORWARD_BACKWARD:  # checked by pipeline_model: DualPipeV
+                from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+                runner.register_custom_function(OVERLAP_F_B, self._overlap_f_b)
+            return runner
         return cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def _overlap_f_b(self, action: Any, ctx: Any) -> None:
+        """torch's ``OVERLAP_F_B`` action (DualPipeV's paired forward of one stage and full
+        backward of the other) with its two sub-actions interleaved at their in-flight points
+        (:func:`~hyper_parallel.models.pipeline.interleave.run_interleaved`) instead of one
+        after the other. Each sub-action runs as the schedule runs it alone (its receives
+        waited, its loss, its stage's gradient-sync switches); the sends follow the pair, as
+        for the sequential pair. The runtime's per-action function is taken from its running
+        frame: ``pipeline_model`` admits this only where the installed torch has it."""
+        perform = _runtime_perform(sys._getframe(1))
+        f_act, b_act = action.sub_actions
+        _, switches = run_interleaved(
+            lambda: perform(f_act),
+            lambda: perform(b_act),
+            names=(
+                f"forward mb{f_act.microbatch_index} (stage {f_act.stage_index})",
+                f"backward mb{b_act.microbatch_index} (stage {b_act.stage_index})",
+            ),
+        )
+        self.switches.append(switches)
 
     def step(
         self,
@@ -396,7 +422,8 @@ class PipelinedModel:
         first = micro[0]["input_ids"]
         dtype = _hidden_dtype(self.parts[0])
         shape = (tuple(first.shape), first.dtype, dtype)
-        if self.overlap != FORWARD_BACKWARD and (self._runner is None or self._shape != shape):
+        own_runner = self.overlap == FORWARD_BACKWARD and self.num_stages == 1
+        if not own_runner and (self._runner is None or self._shape != shape):
             self._runner = self._build(first, dtype)
             self._shape = shape
         m = self.microbatches
@@ -412,7 +439,8 @@ class PipelinedModel:
             call["target"] = mb.clone()
         losses: list[Tensor] = []
         try:
-            if self.overlap == FORWARD_BACKWARD:
+            self.switches = []
+            if own_runner:
                 losses = self._interleaved(micro, device)
             else:
                 with every_work():  # torch 2.7 on gloo: wait on every point-to-point work
@@ -472,6 +500,35 @@ class PipelinedModel:
             backward(loss)
         losses.append(loss.detach())
         return losses
+
+
+def _runtime_perform(frame: Any) -> Any:
+    """torch's ``_PipelineScheduleRuntime._step_microbatches`` runs a registered custom
+    function from inside itself; its ``_perform_action`` (a local function) runs one plain
+    action. ``RuntimeError`` where the installed torch is laid out otherwise (every rank runs
+    the same torch, so every rank raises alike)."""
+    perform = frame.f_locals.get("_perform_action") if frame is not None else None
+    if frame is None or frame.f_code.co_name != "_step_microbatches" or perform is None:
+        raise RuntimeError(
+            f"overlap={FORWARD_BACKWARD!r} at pp > 1: torch {torch.__version__}'s pipeline "
+            "runtime does not run its overlapped actions the way this release expects "
+            "(_step_microbatches' _perform_action); use overlap=True"
+        )
+    return perform
+
+
+def fb_overlap_schedules() -> str | None:
+    """``None`` when this torch runs DualPipeV's ``OVERLAP_F_B`` actions through a registered
+    function (``_PipelineScheduleRuntime.register_custom_function``), else why not."""
+    from torch.distributed.pipelining import schedules
+
+    runtime = getattr(schedules, "_PipelineScheduleRuntime", None)
+    if not hasattr(schedules, "OVERLAP_F_B") or not hasattr(runtime, "register_custom_function"):
+        return (
+            f"torch {torch.__version__}'s pipeline runtime has no overlapped forward-backward "
+            "action to run them in (OVERLAP_F_B with register_custom_function)"
+        )
+    return None
 
 
 def _whole_backward() -> Any:
@@ -545,7 +602,11 @@ def pipeline_model(
       (:func:`~hyper_parallel.models.pipeline.split.balanced_split`). Layers keep their indices.
     - every other keyword goes to :func:`~hyper_parallel.models.parallelize_model` for each
       stage (``mla_strategy``, ``overlap``, ``kda_protocol``, ``local_kernel``,
-      ``grad_reduction``, ``mp_policy``, ``ep``; ``ep`` divides each stage's ``dp·cp·tp``).
+      ``grad_reduction``, ``mp_policy``, ``ep``, ``dispatcher``; ``ep`` divides each stage's
+      ``dp·cp·tp``). ``overlap`` also takes ``"forward_backward"``: one micro-batch's forward
+      interleaved with another's backward at their exchanges (pp = 1: the micro-batches of
+      the stage; pp > 1: inside ``"DualPipeV"``'s overlapped actions;
+      :mod:`hyper_parallel.models.pipeline.interleave`), the layers keeping their own overlap.
 
     Raised on every rank alike before any communication: ``TypeError`` for an unsupported or
     base model or option type; ``ValueError`` for a mesh whose ``"pp"`` is not first, an
@@ -571,11 +632,18 @@ def pipeline_model(
     spec = check_schedule(schedule, pp, stages_per_rank, microbatches)
     num_stages = pp * stages_per_rank
     if overlap == FORWARD_BACKWARD and num_stages > 1:
-        raise ValueError(
-            f"overlap={FORWARD_BACKWARD!r} interleaves the micro-batches of one stage: it runs "
-            f"at pp = 1 with one stage a rank (this mesh has pp = {pp}, {num_stages} stages); "
-            "use overlap=True (each layer's own overlap) with pipeline stages"
-        )
+        if spec.name != "DualPipeV" or pp == 1:
+            raise ValueError(
+                f"overlap={FORWARD_BACKWARD!r} interleaves a forward with a backward that does "
+                "not wait for it: at pp = 1 the micro-batches of one stage (one stage a rank), "
+                "at pp > 1 the forward and full backward that schedule 'DualPipeV' pairs "
+                f"(this call: pp = {pp}, {num_stages} stages, schedule {spec.name!r}; in the "
+                "other schedules a stage's next forward feeds the backward it would be paired "
+                "with, so the pair would wait on itself); use overlap=True there"
+            )
+        why = fb_overlap_schedules()
+        if why:
+            raise ValueError(f"overlap={FORWARD_BACKWARD!r} with schedule 'DualPipeV': {why}")
     if overlap == FORWARD_BACKWARD and microbatches < 2:
         raise ValueError(
             f"overlap={FORWARD_BACKWARD!r} pairs one micro-batch's forward with another's "
