@@ -131,7 +131,7 @@ def _measure(cfg: dict[str, Any], models: dict[str, Any], steps: dict[str, Any])
         "dim_names": list(MESHES[cfg["mesh"]][1]),
         "ep": WORLD,
         "microbatches": 2,
-        "bsz": 2,
+        "bsz": 2 * (MESHES[cfg["mesh"]][0][0] if cfg["mesh"] == "dp" else 1),
         "seq": cfg["seq"],
         "hidden": cfg["hidden"],
         "moe_ffn": cfg["moe_ffn"],
@@ -183,7 +183,8 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     dims, names = MESHES[cfg["mesh"]]
     world = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("world",))
     mesh = unflatten(world, "world", dims, names)
-    batch = random_batch(vocab=VOCAB, bsz=2, seq=cfg["seq"], seed=1)
+    dp = dims[0] if names[0] == "dp" else 1
+    batch = random_batch(vocab=VOCAB, bsz=2 * dp, seq=cfg["seq"], seed=1)  # 2 micro-batches
     models = {name: _Case(cfg, mesh, overlap, batch) for name, overlap in CASES.items()}
     for case in models.values():  # the first steps (allocations, the hp-moe auto choice)
         case()
