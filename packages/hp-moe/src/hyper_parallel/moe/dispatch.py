@@ -54,7 +54,7 @@ from torch import Tensor
 from hyper_parallel.dtensor import comm
 from hyper_parallel.dtensor.overlap import launch, wait
 from hyper_parallel.moe.form import ExpertsShape
-from hyper_parallel.moe.local import LocalExperts, select_impl
+from hyper_parallel.moe.local import LocalExperts, TorchExperts, select_impl, split_experts
 from hyper_parallel.moe.routing import (
     DTYPE_REFUSED,
     INFERENCE_ONLY,
@@ -431,7 +431,13 @@ class AllToAllDispatcher:
     ) -> Tensor:
         """Local: the rows through their experts (the local backend's GEMMs)."""
         assert handle.gate_up is not None and handle.down is not None
-        return handle.local.experts(x, counts, handle.gate_up, handle.down, act)
+        gate_up: Any = handle.gate_up
+        down: Any = handle.down
+        if type(handle.local).experts is TorchExperts.experts:  # expert by expert: split once
+            if "experts" not in handle.state:  # for every chunk of this forward
+                handle.state["experts"] = split_experts(gate_up, down)
+            gate_up, down = handle.state["experts"]
+        return handle.local.experts(x, counts, gate_up, down, act)
 
     # --- combine -----------------------------------------------------------------------------
 

@@ -30,7 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["IMPLS", "GroupedMMExperts", "LocalExperts", "TorchExperts", "select_impl"]
+__all__ = [
+    "IMPLS",
+    "GroupedMMExperts",
+    "LocalExperts",
+    "TorchExperts",
+    "select_impl",
+    "split_experts",
+]
 
 Act = Callable[[Tensor], Tensor]
 
@@ -78,20 +85,35 @@ class TorchExperts:
         # weights' dtype) and accumulates in the hidden dtype
         return (slots * top_k_weights.unsqueeze(-1)).to(dtype).sum(1)
 
-    def experts(
-        self, x: Tensor, counts: list[int], gate_up: Tensor, down: Tensor, act: Act
-    ) -> Tensor:
+    def experts(self, x: Tensor, counts: list[int], gate_up: Any, down: Any, act: Act) -> Tensor:
+        """``gate_up``/``down``: the stacked weights, or (from :func:`split_experts`) their
+        per-expert tensors, shared by the chunks of one forward."""
         outs, start = [], 0
+        gus, dns = split_experts(gate_up, down)
         for e, m in enumerate(counts):
             if m:
                 rows = x[start : start + m]
-                gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-                outs.append(F.linear(act(gate) * up, down[e]))
+                gate, up = F.linear(rows, gus[e]).chunk(2, dim=-1)
+                outs.append(F.linear(act(gate) * up, dns[e]))
             start += m
         if not outs:  # no rows: keep the rows (and the exchange that brought them) and the
             # weights in the graph, a zero-cost dependency, so every backward collective runs
-            return x.new_zeros(0, down.shape[1]) + 0 * (x.sum() + gate_up.sum() + down.sum())
+            keep = sum(g.sum() for g in gus) + sum(d.sum() for d in dns)
+            return x.new_zeros(0, dns[0].shape[0]) + 0 * (x.sum() + keep)
         return torch.cat(outs)
+
+
+def split_experts(gate_up: Any, down: Any) -> tuple[Any, Any]:
+    """The per-expert views ``(gate_up[e] for e), (down[e] for e)`` by one ``unbind`` per
+    weight (as they are when already split). One split serves every chunk of a forward: the
+    backward of ``unbind`` stacks the experts' gradients into one tensor, where indexing
+    ``gate_up[e]`` per expert (or unbinding per chunk) gives each a zero-filled gradient of the
+    whole weight to add up."""
+    if isinstance(gate_up, Tensor):
+        gate_up = gate_up.unbind(0)
+    if isinstance(down, Tensor):
+        down = down.unbind(0)
+    return gate_up, down
 
 
 class _ContiguousGrad(torch.autograd.Function):
