@@ -116,6 +116,7 @@ def _measure(cfg: dict[str, Any], models: dict[str, Any], steps: dict[str, Any])
         latency_s=cfg["link_latency"],
         repeats=cfg["repeats"],
         runs=0,
+        scale=cfg["link_scale"],
     )
     # hp-dtensor's CPU tracker is a dispatch mode, which is thread-local: it does not see the
     # tensors the interleaved sides allocate on their own threads, so fb has no figure
@@ -141,6 +142,7 @@ def _measure(cfg: dict[str, Any], models: dict[str, Any], steps: dict[str, Any])
         "moe_layers": 3,
         "dtype": "float32",
         "grad_reduction": "allreduce",
+        "link_scale": cfg["link_scale"],
         "repeats": cfg["repeats"],
         "losses": losses,
         "loss_max_rel_diff": max(abs(v - losses["blocking"]) for v in losses.values())
@@ -209,6 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs, each interleaving every case")
     p.add_argument("--link-latency", type=float, default=20e-6, help="modeled latency (s)")
     p.add_argument("--world", type=int, default=None, help=f"ranks (only {WORLD})")
+    p.add_argument(
+        "--link-scale", type=float, default=1.0,
+        help="the calibrated bandwidth times this (< 1: a slower link than the step's compute)",
+    )  # fmt: skip
     a = p.parse_args(argv)
     if a.device != "cpu":
         p.error("bench_fb_overlap models the link on CPU ranks (gloo): --device cpu")
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": a.repeats or repeats,
         "repeat": max(1, a.repeat),
         "link_latency": a.link_latency,
+        "link_scale": a.link_scale,
         "load_avg_start": _loadavg(),
     }
     facts = run_facts(world)
