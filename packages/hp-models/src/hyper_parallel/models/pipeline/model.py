@@ -38,6 +38,7 @@ from hyper_parallel.dtensor import DeviceMesh, checked_entry, comm
 from hyper_parallel.dtensor.mesh import native_path_available, root_mesh
 from hyper_parallel.models.batch import IGNORE_INDEX, shard_batch
 from hyper_parallel.models.documents import TABLE_KEYS
+from hyper_parallel.models.experts import check_dispatcher
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import DP_MESH_DIMS, MESH_DIMS, check_mesh, cp_tp
 from hyper_parallel.models.parallelize import _roles, apply_parallel
@@ -622,6 +623,8 @@ def pipeline_model(
         kwargs["overlap"] = True  # the layers keep their own in-layer overlap
     elif not isinstance(overlap, bool):
         raise ValueError(f"overlap must be True, False or {FORWARD_BACKWARD!r}, got {overlap!r}")
+    # before the stages' groups are made: the same verdict on every rank, nothing started
+    check_dispatcher(kwargs.get("dispatcher", "alltoall"), kwargs.get("ep", 1))
     if base is model:
         raise TypeError(
             f"pipeline_model needs the causal LM ({fam.causal_lm}): its last stage computes "
