@@ -72,7 +72,21 @@ PREFIX = "models_fb_overlap"
 WORLD = 2
 VOCAB = 512
 MESHES = {"cp": ((2, 1), ("cp", "tp")), "dp": ((2, 1, 1), ("dp", "cp", "tp"))}
-CASES = {"fb": "forward_backward", "blocking": False, "in_layer": True}
+#: each configuration: pipeline_model's overlap= and moe_chunks=
+CASES: dict[str, tuple[Any, Any]] = {
+    "fb": ("forward_backward", "auto"),
+    "fb_one_chunk": ("forward_backward", 1),
+    "blocking": (False, "auto"),
+    "in_layer": (True, "auto"),
+}
+#: the records: (ours, baseline)
+PAIRS = (
+    ("fb", "blocking"),
+    ("fb_one_chunk", "blocking"),
+    ("in_layer", "blocking"),
+    ("fb", "in_layer"),
+    ("fb_one_chunk", "in_layer"),
+)
 
 
 def _build(cfg: dict[str, Any]) -> torch.nn.Module:
@@ -121,7 +135,7 @@ def _measure(cfg: dict[str, Any], models: dict[str, Any], steps: dict[str, Any])
     # hp-dtensor's CPU tracker is a dispatch mode, which is thread-local: it does not see the
     # tensors the interleaved sides allocate on their own threads, so fb has no figure
     peak: dict[str, int | None] = {
-        n: None if n == "fb" else int(max_over_ranks(float(peak_memory_bytes(fn))))
+        n: None if n.startswith("fb") else int(max_over_ranks(float(peak_memory_bytes(fn))))
         for n, fn in steps.items()
     }
     losses = {n: float(models[n].last_loss) for n in steps}
@@ -131,8 +145,11 @@ def _measure(cfg: dict[str, Any], models: dict[str, Any], steps: dict[str, Any])
         "dims": list(MESHES[cfg["mesh"]][0]),
         "dim_names": list(MESHES[cfg["mesh"]][1]),
         "ep": WORLD,
-        "microbatches": 2,
-        "bsz": 2 * (MESHES[cfg["mesh"]][0][0] if cfg["mesh"] == "dp" else 1),
+        "microbatches": cfg["microbatches"],
+        "bsz": cfg["microbatches"] * (MESHES[cfg["mesh"]][0][0] if cfg["mesh"] == "dp" else 1),
+        # at pp = 1 the first forward and the last backward run alone: at most (m - 1) / m of
+        # the exchange time is under the other micro-batch (the rest only in-layer)
+        "interleaved_share_bound": (cfg["microbatches"] - 1) / cfg["microbatches"],
         "seq": cfg["seq"],
         "hidden": cfg["hidden"],
         "moe_ffn": cfg["moe_ffn"],
@@ -148,6 +165,7 @@ def _measure(cfg: dict[str, Any], models: dict[str, Any], steps: dict[str, Any])
         "loss_max_rel_diff": max(abs(v - losses["blocking"]) for v in losses.values())
         / abs(losses["blocking"]),
         "fb_switches": list(models["fb"].pm.switches),
+        "moe_chunks": {n: c for n, (_, c) in CASES.items()},
         "moe_link_share": share,
         "link_over_compute_check": m.link_over_compute("blocking"),
         "load_avg_start": cfg["load_avg_start"],
@@ -156,19 +174,43 @@ def _measure(cfg: dict[str, Any], models: dict[str, Any], steps: dict[str, Any])
     base = f"{PREFIX}/{cfg['mesh']}/link"
     return [
         m.record(
-            f"{base}/{a}_vs_{b}", a, b, peak_mem_ours=peak[a], peak_mem_baseline=peak[b], **extra
+            f"{base}/{a}_vs_{b}",
+            a,
+            b,
+            peak_mem_ours=peak[a],
+            peak_mem_baseline=peak[b],
+            **_split(m, a, b),
+            **extra,
         )
-        for a, b in (("fb", "blocking"), ("in_layer", "blocking"), ("fb", "in_layer"))
+        for a, b in PAIRS
     ]
+
+
+def _split(m: Any, ours: str, baseline: str) -> dict[str, float]:
+    """Where the link time not hidden went, each a share of the baseline's ``T_link``
+    (``hidden_fraction + split_unhidden_link + split_exchange_cpu = 1``): what ours' own waits
+    slept (the link its schedule left exposed) and the rest, the exchanges' real work on the
+    rank's one core (gloo's copies, the chunks' copies) beyond the baseline's;
+    ``schedule_hidden_share``: ``1 - slept / T_link`` of ours' own link (what the schedule put
+    under compute, whatever that compute then cost)."""
+    b, o = m.cases[baseline], m.cases[ours]
+    hidden = (b.time_s - o.time_s) / b.t_link_s
+    unhidden = o.added_s / b.t_link_s
+    return {
+        "schedule_hidden_share": 1.0 - o.added_s / o.t_link_s,
+        "split_unhidden_link": unhidden,
+        "split_exchange_cpu": 1.0 - hidden - unhidden,
+    }
 
 
 class _Case:
     """One configuration: its pipelined model and step (``zero_grad`` + ``pm.step``)."""
 
-    def __init__(self, cfg: dict[str, Any], mesh: Any, overlap: Any, batch: dict) -> None:
+    def __init__(self, cfg: dict[str, Any], mesh: Any, case: tuple[Any, Any], batch: dict) -> None:
+        overlap, chunks = case
         self.pm = pipeline_model(
-            _build(cfg), mesh, microbatches=2, ep=WORLD, overlap=overlap,
-            grad_reduction="allreduce",
+            _build(cfg), mesh, microbatches=cfg["microbatches"], ep=WORLD, overlap=overlap,
+            grad_reduction="allreduce", moe_chunks=chunks,
         )  # fmt: skip
         self.params = list(self.pm.parameters())
         self.batch = batch
@@ -186,8 +228,9 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     world = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("world",))
     mesh = unflatten(world, "world", dims, names)
     dp = dims[0] if names[0] == "dp" else 1
-    batch = random_batch(vocab=VOCAB, bsz=2 * dp, seq=cfg["seq"], seed=1)  # 2 micro-batches
-    models = {name: _Case(cfg, mesh, overlap, batch) for name, overlap in CASES.items()}
+    m = cfg["microbatches"]
+    batch = random_batch(vocab=VOCAB, bsz=m * dp, seq=cfg["seq"], seed=1)  # m micro-batches
+    models = {name: _Case(cfg, mesh, case, batch) for name, case in CASES.items()}
     for case in models.values():  # the first steps (allocations, the hp-moe auto choice)
         case()
     runs = [_measure(cfg, models, dict(models)) for _ in range(cfg["repeat"])]
@@ -209,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--moe-ffn", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None, help="timed rounds a run")
     p.add_argument("--repeat", type=int, default=1, help="runs, each interleaving every case")
+    p.add_argument("--microbatches", type=int, default=2, help="micro-batches a step (>= 2)")
     p.add_argument("--link-latency", type=float, default=20e-6, help="modeled latency (s)")
     p.add_argument("--world", type=int, default=None, help=f"ranks (only {WORLD})")
     p.add_argument(
@@ -216,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
         help="the calibrated bandwidth times this (< 1: a slower link than the step's compute)",
     )  # fmt: skip
     a = p.parse_args(argv)
+    if a.microbatches < 2:
+        p.error("--microbatches: forward/backward overlap pairs two micro-batches, give >= 2")
     if a.device != "cpu":
         p.error("bench_fb_overlap models the link on CPU ranks (gloo): --device cpu")
     seq, hidden, moe_ffn, repeats = (128, 128, 128, 3) if a.quick else (512, 256, 256, 7)
@@ -231,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         "top_k": 4,
         "repeats": a.repeats or repeats,
         "repeat": max(1, a.repeat),
+        "microbatches": a.microbatches,
         "link_latency": a.link_latency,
         "link_scale": a.link_scale,
         "load_avg_start": _loadavg(),
@@ -245,8 +292,10 @@ def main(argv: list[str] | None = None) -> None:
     for r in records:
         print(
             f"{summary_line(r)}  [modeled link: T_link {r['t_link_s'] * 1e3:.1f} ms, hidden "
-            f"{r['hidden_fraction']:.2f} (paired {r['hidden_fraction_paired']:.2f}), added to "
-            f"ours {r['link_added_ours_s'] * 1e3:.1f} ms, runs "
+            f"{r['hidden_fraction']:.2f} (paired {r['hidden_fraction_paired']:.2f}; schedule "
+            f"{r['schedule_hidden_share']:.2f}, exposed {r['split_unhidden_link']:.2f}, exchange "
+            f"cpu {r['split_exchange_cpu']:.2f}, bound {r['interleaved_share_bound']:.2f}), "
+            f"added to ours {r['link_added_ours_s'] * 1e3:.1f} ms, runs "
             f"{[round(v, 2) for v in r.get('hidden_fraction_runs', [])]}, check "
             f"{r['link_over_compute']:.2f}, moe share of bytes {r['moe_link_share']:.2f}, "
             f"loss rel diff {r['loss_max_rel_diff']:.1e}, switches {r['fb_switches']}]"

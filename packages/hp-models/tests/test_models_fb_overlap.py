@@ -30,7 +30,7 @@ from hyper_parallel.models.pipeline.interleave import (
 from hyper_parallel.models.pipeline.model import fb_overlap_schedules
 from hyper_parallel.models.pipeline.schedules import same_rank_hand_off
 from hyper_parallel.models.testing import random_batch, tiny_model
-from hyper_parallel.moe import AllToAllDispatcher
+from hyper_parallel.moe import AllToAllDispatcher, experts_info
 
 
 class Counting(AllToAllDispatcher):
@@ -49,7 +49,7 @@ DP_CASES = [
     ("deepseek", {"microbatches": 2, "ep": 2, "overlap": FB, "dispatcher": Counting()}, 4, False),
     (
         "qwen3-next",
-        {"microbatches": 3, "ep": 4, "overlap": FB, "grad_reduction": "allreduce"},
+        {"microbatches": 3, "ep": 4, "overlap": FB, "grad_reduction": "allreduce", "moe_chunks": 2},
         6,
         False,
     ),
@@ -68,6 +68,7 @@ def _errors(mesh: Any) -> dict[str, str]:
         "bad_value": {"microbatches": 2, "overlap": "both"},
         "unknown_dispatcher": {"microbatches": 2, "ep": 2, "dispatcher": "nope"},
         "dispatcher_at_ep1": {"microbatches": 2, "dispatcher": Counting()},
+        "bad_moe_chunks": {"microbatches": 2, "ep": 2, "overlap": FB, "moe_chunks": 0},
     }.items():
         try:
             pipeline_model(tiny_model("kimi"), mesh, **kw)
@@ -84,14 +85,31 @@ def _errors(mesh: Any) -> dict[str, str]:
     return out
 
 
+def _moe_options(pm: Any) -> list[tuple[Any, bool]]:
+    """(chunks, overlap) of every split experts module of ``pm`` (chunks: the last forward's)."""
+    return [
+        (info["chunks"], info["overlap"])
+        for part in pm.parts
+        for name, mod in part.named_modules()
+        if name.endswith("mlp.experts") and (info := experts_info(mod))
+    ]
+
+
 def _run(dims: tuple[int, ...], names: tuple[str, ...], cases: list) -> dict:
     mesh = _mesh(dims, names)
     res: dict[str, Any] = {}
     if names == ("cp", "tp"):
         res["errors"] = _errors(mesh)
+        # overlap=False reaches the MoE blocks: each exchange waited at once, in one chunk
+        blocking = pipeline_model(tiny_model("deepseek"), mesh, microbatches=2, ep=2, overlap=False)
+        res["blocking_moe"] = _moe_options(blocking)
     for i, (kind, options, bsz, packed) in enumerate(cases):
         out = _case(mesh, kind, options, bsz, packed)  # asserts loss and every gradient
-        res[f"{kind}-{i}"] = {"losses": out["losses"], "switches": out["pm"].switches}
+        res[f"{kind}-{i}"] = {
+            "losses": out["losses"],
+            "switches": out["pm"].switches,
+            "moe": _moe_options(out["pm"]),
+        }
     res["user_dispatches"] = Counting.started
     return res
 
@@ -106,6 +124,10 @@ def _check(results: list[dict], cases: list) -> None:
             sw = rep[key]["switches"]
             assert len(sw) == options["microbatches"] - 1 and min(sw) >= 4, (key, sw)
             assert sw == results[0][key]["switches"], key
+            # the MoE blocks keep their in-layer overlap, in the chunks asked for
+            chunks = options.get("moe_chunks")
+            moe = rep[key]["moe"]
+            assert moe and all(o and (chunks is None or c == chunks) for c, o in moe), (key, moe)
 
 
 @pytest.mark.timeout(600)
@@ -132,6 +154,12 @@ def test_forward_backward_overlap_trains_like_the_serial_model() -> None:
         ), err
         assert err["unknown_dispatcher"].startswith("ValueError: "), err
         assert "nope" in err["unknown_dispatcher"], err
+        assert err["bad_moe_chunks"].startswith(
+            "ValueError: moe_chunks must be 'auto' or an int >= 1, got 0"
+        ), err
+        assert rep["blocking_moe"] and all(c == 1 and not o for c, o in rep["blocking_moe"]), rep[
+            "blocking_moe"
+        ]
         assert err["dispatcher_at_ep1"].startswith(
             "ValueError: dispatcher='Counting:counting' moves rows between the ranks"
         ), err

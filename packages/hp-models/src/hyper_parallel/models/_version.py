@@ -1,1 +1,1 @@
-__version__ = "0.3.1.dev52"
+__version__ = "0.3.1.dev53"

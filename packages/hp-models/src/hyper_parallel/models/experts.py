@@ -54,11 +54,25 @@ class MoEState:
     counts: dict[str, Tensor] = field(default_factory=dict)
     accumulate: bool = False
     dispatcher: Any = "alltoall"  # hp-moe's dispatcher of every MoE block (a name or object)
+    overlap: bool = True  # hp-moe's in-layer overlap (False: every exchange waited at once)
+    chunks: int | str = "auto"  # hp-moe's chunks (resolved by resolve_moe_chunks)
 
 
 def num_experts(block: nn.Module) -> int:
     weight: Any = block.get_submodule("experts").gate_up_proj
     return int(weight.shape[0])
+
+
+def resolve_moe_chunks(moe_chunks: Any, overlap: bool) -> int | str:
+    """``moe_chunks`` as hp-moe's ``chunks``: an int >= 1 as given; ``"auto"``: hp-moe's own
+    choice (:func:`hyper_parallel.moe.choose_chunks`) where the layers overlap in-layer, one
+    chunk where they do not (``overlap=False``: a blocking exchange gains nothing from chunks,
+    only their copies and per-exchange costs). ``ValueError`` otherwise, collective-free."""
+    if moe_chunks == "auto":
+        return "auto" if overlap else 1
+    if isinstance(moe_chunks, bool) or not isinstance(moe_chunks, int) or moe_chunks < 1:
+        raise ValueError(f"moe_chunks must be 'auto' or an int >= 1, got {moe_chunks!r}")
+    return moe_chunks
 
 
 def check_dispatcher(dispatcher: Any, ep: Any) -> None:
@@ -138,7 +152,10 @@ def install_moe(state: MoEState, base: nn.Module, moe_paths: list[str]) -> None:
         block = base.get_submodule(path)
         experts = block.get_submodule("experts")
         if state.ep > 1:
-            parallelize_experts(experts, state.ep_mesh, dispatcher=state.dispatcher)
+            parallelize_experts(
+                experts, state.ep_mesh, dispatcher=state.dispatcher, overlap=state.overlap,
+                chunks=state.chunks,
+            )  # fmt: skip
         if state.ep > 1 and shared_work(block) is not None:
             install_forward(block, MOE_LAYER, _BlockState(state, path), _moe_forward, prefix="")
         else:  # the stock block forward calls the experts module: count in a pre-hook

@@ -32,6 +32,7 @@ from hyper_parallel.models.experts import (
     check_ep,
     expert_meshes,
     install_moe,
+    resolve_moe_chunks,
 )
 from hyper_parallel.models.families import ModelFamily, family_of
 from hyper_parallel.models.fsdp import apply_fsdp, check_mp_policy, fsdp_available
@@ -126,7 +127,7 @@ def _resolved_reduction(grad_reduction: Any) -> Any:
 # involves every process
 @checked_entry(
     "parallelize_model",
-    compare=("mla_strategy", "overlap", "kda_protocol", "local_kernel", "ep"),
+    compare=("mla_strategy", "overlap", "kda_protocol", "local_kernel", "ep", "moe_chunks"),
     extra={
         "model": lambda args: type(args.model).__name__,
         "family": lambda args: family_of(args.model)[0].name,
@@ -151,6 +152,7 @@ def parallelize_model(
     ep: int = 1,
     local_kernel: str = "auto",
     dispatcher: Any = "alltoall",
+    moe_chunks: int | str = "auto",
 ) -> nn.Module:
     """Parallelise a stock ``KimiLinearForCausalLM``/``KimiLinearModel``,
     ``DeepseekV3ForCausalLM``/``DeepseekV3Model`` or ``Qwen3NextForCausalLM``/``Qwen3NextModel``
@@ -197,6 +199,10 @@ def parallelize_model(
     dispatchers: ``"alltoall"`` (default), the NPU ones by name, or a dispatcher object of
     your own; :mod:`hyper_parallel.moe.dispatch`); an unknown name raises ``ValueError``, and
     so does a dispatcher other than ``"alltoall"`` at ep = 1 (no exchange to run it).
+    ``overlap`` reaches the MoE blocks too: ``False`` waits for every dispatch and combine at
+    once. ``moe_chunks``: how many chunks hp-moe cuts a MoE block's rows into, so that one
+    chunk's exchange is in flight under another's experts (an int >= 1, or ``"auto"``:
+    hp-moe's choice from the shapes with ``overlap=True``, one chunk with ``overlap=False``).
 
     ``mp_policy``: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` handed to every
     ``fully_shard`` (with ``grad_reduction="fsdp"``/``"auto"`` on FSDP2; with ``"allreduce"``
@@ -230,6 +236,7 @@ def parallelize_model(
         ep=ep,
         local_kernel=local_kernel,
         dispatcher=dispatcher,
+        moe_chunks=moe_chunks,
     )
 
 
@@ -245,6 +252,7 @@ def apply_parallel(
     ep: int = 1,
     local_kernel: str = "auto",
     dispatcher: Any = "alltoall",
+    moe_chunks: int | str = "auto",
     reshard_after_forward: bool | None = None,
 ) -> nn.Module:
     """:func:`parallelize_model`'s body, without its consistency check over the default group
@@ -255,13 +263,14 @@ def apply_parallel(
     )
     check_mp_policy(mp_policy, grad_reduction)
     check_dispatcher(dispatcher, ep)
+    chunks = resolve_moe_chunks(moe_chunks, overlap)
     if grad_reduction == "auto":
         grad_reduction = "fsdp" if fsdp_available() else "allreduce"
     sm = sequence_mesh(mesh)
     options = BlockOptions(mla_strategy, overlap, kda_protocol, local_kernel)
     for path, role in roles.items():
         role.apply(base.get_submodule(path), sm, options)
-    moe = MoEState(ep, dispatcher=dispatcher)
+    moe = MoEState(ep, dispatcher=dispatcher, overlap=overlap, chunks=chunks)
     if ep > 1:
         moe.ep_mesh, moe.edp_mesh = expert_meshes(sm.batch, ep)
     install_moe(moe, base, [path for path, role in roles.items() if role.routed])

@@ -38,7 +38,7 @@ from hyper_parallel.dtensor import DeviceMesh, checked_entry, comm
 from hyper_parallel.dtensor.mesh import native_path_available, root_mesh
 from hyper_parallel.models.batch import IGNORE_INDEX, shard_batch
 from hyper_parallel.models.documents import TABLE_KEYS
-from hyper_parallel.models.experts import check_dispatcher
+from hyper_parallel.models.experts import check_dispatcher, resolve_moe_chunks
 from hyper_parallel.models.families import family_of
 from hyper_parallel.models.mesh import DP_MESH_DIMS, MESH_DIMS, check_mesh, cp_tp
 from hyper_parallel.models.parallelize import _roles, apply_parallel
@@ -603,11 +603,13 @@ def pipeline_model(
       (:func:`~hyper_parallel.models.pipeline.split.balanced_split`). Layers keep their indices.
     - every other keyword goes to :func:`~hyper_parallel.models.parallelize_model` for each
       stage (``mla_strategy``, ``overlap``, ``kda_protocol``, ``local_kernel``,
-      ``grad_reduction``, ``mp_policy``, ``ep``, ``dispatcher``; ``ep`` divides each stage's
-      ``dp·cp·tp``). ``overlap`` also takes ``"forward_backward"``: one micro-batch's forward
-      interleaved with another's backward at their exchanges (pp = 1: the micro-batches of
-      the stage; pp > 1: inside ``"DualPipeV"``'s overlapped actions;
-      :mod:`hyper_parallel.models.pipeline.interleave`), the layers keeping their own overlap.
+      ``grad_reduction``, ``mp_policy``, ``ep``, ``dispatcher``, ``moe_chunks``; ``ep``
+      divides each stage's ``dp·cp·tp``). ``overlap`` also takes ``"forward_backward"``: one
+      micro-batch's forward interleaved with another's backward at their exchanges (pp = 1:
+      the micro-batches of the stage; pp > 1: inside ``"DualPipeV"``'s overlapped actions;
+      :mod:`hyper_parallel.models.pipeline.interleave`), the layers keeping their own overlap:
+      at pp = 1 the first forward and the last backward run alone, and there only the MoE
+      blocks' chunks (``moe_chunks``) hide their exchanges.
 
     Raised on every rank alike before any communication: ``TypeError`` for an unsupported or
     base model or option type; ``ValueError`` for a mesh whose ``"pp"`` is not first, an
@@ -625,6 +627,7 @@ def pipeline_model(
         raise ValueError(f"overlap must be True, False or {FORWARD_BACKWARD!r}, got {overlap!r}")
     # before the stages' groups are made: the same verdict on every rank, nothing started
     check_dispatcher(kwargs.get("dispatcher", "alltoall"), kwargs.get("ep", 1))
+    resolve_moe_chunks(kwargs.get("moe_chunks", "auto"), kwargs.get("overlap", True))
     if base is model:
         raise TypeError(
             f"pipeline_model needs the causal LM ({fam.causal_lm}): its last stage computes "
