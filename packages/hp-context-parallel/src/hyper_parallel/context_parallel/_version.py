@@ -1,1 +1,1 @@
-__version__ = "0.3.10.dev0"
+__version__ = "0.3.10.dev1"

@@ -1,1 +1,1 @@
-__version__ = "0.3.13.dev1"
+__version__ = "0.3.13.dev2"
