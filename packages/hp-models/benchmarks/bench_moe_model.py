@@ -1,5 +1,5 @@
 """A whole stock DeepSeek-V3 MoE model, one full training step (forward, backward,
-``sync_gradients``, AdamW step) on 4 ranks, three configurations side by side in one run,
+``sync_gradients``, AdamW step) on 4 ranks, six configurations side by side in one run,
 interleaved, median of the repetitions:
 
 - ``hp_ep4``: ``parallelize_model(model, mesh, ep=4)``: every MoE layer's routed experts split
@@ -14,6 +14,13 @@ interleaved, median of the repetitions:
   batch, then ``sync_gradients`` and AdamW like the others. Its bytes are counted by
   ``simulated_link`` (the dispatcher-level counter is a dispatch mode, thread-local, blind to
   the interleaved sides' threads) and it has no peak memory figure for the same reason;
+- ``hp_mb2_ep4``: the same two micro-batches without the interleaving
+  (``pipeline_model(..., microbatches=2, ep=4)``, torch's 1F1B over one stage: F0 B0 F1 B1,
+  each layer's own overlap kept): what the micro-batching itself costs, apart from the
+  interleaving;
+- ``hf_ep4_mb2``: ``hf_ep4`` with the same two micro-batches by gradient accumulation (two
+  forwards and backwards of one row, each loss halved): the baseline for the micro-batched
+  steps;
 - ``hf_ep4``: ``hp_ep1`` with every ``model.model.layers[i].mlp.experts`` then handed to
   transformers 5.23's own ``AllToAllEP`` over the same 4 ranks (``_hf_ep.hf_all_to_all_ep``
   from hp-moe's benchmarks: what the model's ``base_model_ep_plan`` entry
@@ -46,7 +53,7 @@ through ``_c10d_functional``) with hp-dtensor's ``comm.link_bytes`` rule, max ov
 the hp-models configurations also ``simulated_link``'s count (zero latency, unbounded
 bandwidth) as a cross-check.
 
-``--model qwen3-next``: the same three configurations on a stock Qwen3-Next (records
+``--model qwen3-next``: the same configurations on a stock Qwen3-Next (records
 ``models_qwen3_next_moe_step/*``): float32, hidden 128, 4 layers in the family's pattern
 (Gated DeltaNet, Gated DeltaNet, Gated DeltaNet, gated attention with 4 query and 2 key/value
 heads), the first an MLP-only layer (``mlp_only_layers=[0]``), the other three MoE blocks of
@@ -248,8 +255,31 @@ class _Case:
             return float(self.model(**self.local).loss)
 
 
+class _AccumCase(_Case):
+    """``hf_ep4`` over two micro-batches of one row: gradient accumulation as a user of
+    transformers' ``AllToAllEP`` would run it (two forwards and backwards, each loss halved:
+    equal micro-batches, so the mean over the global batch), then ``sync_gradients``."""
+
+    def grads(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        rows = next(iter(self.local.values())).shape[0]
+        for r in range(rows):
+            part = {k: v[r : r + 1] for k, v in self.local.items()}
+            (self.model(**part).loss / rows).backward()
+        kept = [p.grad for p in self.hf_params]
+        for p in self.hf_params:
+            p.grad = None
+        sync_gradients(self.model)
+        for p, g in zip(self.hf_params, kept):
+            p.grad = g
+
+
+#: the pipeline_model configurations (``pm.step`` on the global batch)
+PIPED = ("hp_fb_ep4", "hp_mb2_ep4")
+
+
 class _PipeCase(_Case):
-    """``pipeline_model(..., overlap="forward_backward")``: ``pm.step`` on the global batch."""
+    """``pipeline_model(...)``: ``pm.step`` on the global batch."""
 
     def __init__(self, pm: Any, batch: dict[str, torch.Tensor]) -> None:
         super().__init__(pm, batch, False)
@@ -268,12 +298,12 @@ class _PipeCase(_Case):
 def _grad_diffs(cases: dict[str, _Case]) -> dict[str, float]:
     """Max abs difference of every gradient after one step's ``grads()`` from ``hp_ep1``'s
     (experts: this rank's contiguous block of E/4 experts of the whole gradient), max over
-    ranks: the three configurations compute the same step."""
+    ranks: the configurations compute the same step."""
     for case in cases.values():
         case.grads()
     rank, out = dist.get_rank(), {}
     ref = dict(cases["hp_ep1"].model.named_parameters())
-    for name in ("hp_ep4", "hf_ep4", "hp_fb_ep4"):
+    for name in ("hp_ep4", "hf_ep4", "hf_ep4_mb2", *PIPED):
         worst = 0.0
         for pname, p in cases[name].model.named_parameters():
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -306,12 +336,20 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     hf4 = parallelize_model(_build(cfg, device), mesh, ep=1, grad_reduction="allreduce")
     for experts in _experts(hf4):
         _hf_ep.hf_all_to_all_ep(experts, world)
+    hf4_mb2 = parallelize_model(_build(cfg, device), mesh, ep=1, grad_reduction="allreduce")
+    for experts in _experts(hf4_mb2):
+        _hf_ep.hf_all_to_all_ep(experts, world)
     fb4 = pipeline_model(_build(cfg, device), mesh, microbatches=2, ep=WORLD,
                          overlap="forward_backward", grad_reduction="allreduce")  # fmt: skip
-    models = {"hp_ep4": hp4, "hp_ep1": hp1, "hf_ep4": hf4, "hp_fb_ep4": fb4}
+    mb4 = pipeline_model(_build(cfg, device), mesh, microbatches=2, ep=WORLD,
+                         grad_reduction="allreduce")  # fmt: skip
+    models = {"hp_ep4": hp4, "hp_ep1": hp1, "hf_ep4": hf4, "hp_fb_ep4": fb4, "hp_mb2_ep4": mb4}
     cases: dict[str, _Case] = {n: _Case(m, local, n == "hf_ep4") for n, m in models.items()
-                               if n != "hp_fb_ep4"}  # fmt: skip
-    cases["hp_fb_ep4"] = _PipeCase(fb4, {k: v.to(device) for k, v in batch.items()})
+                               if n not in PIPED}  # fmt: skip
+    for name in PIPED:
+        cases[name] = _PipeCase(models[name], {k: v.to(device) for k, v in batch.items()})
+    models["hf_ep4_mb2"] = hf4_mb2
+    cases["hf_ep4_mb2"] = _AccumCase(hf4_mb2, local, True)
 
     # the first step of each also checks that the three agree on the loss
     losses = {}
@@ -321,7 +359,7 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     times = interleaved_timing(cases, repeats=cfg["repeats"], warmup=1, device=device)
     peak, moved, by_op, sim, params = {}, {}, {}, {}, {}
     for name, fn in cases.items():
-        piped = name == "hp_fb_ep4"  # its sides' threads: no dispatch-mode counts
+        piped = name in PIPED  # the fb sides' threads: no dispatch-mode counts
         peak[name] = None if piped else int(max_over_ranks(float(peak_memory_bytes(fn, device))))
         with _DispatchBytes() as counter:
             fn()
@@ -352,7 +390,8 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         "load_avg_end": _loadavg(),
     }
     pairs = [("hp_ep4", "hp_ep1"), ("hp_ep4", "hf_ep4"), ("hp_fb_ep4", "hf_ep4"),
-             ("hp_fb_ep4", "hp_ep4")]  # fmt: skip
+             ("hp_fb_ep4", "hp_ep4"), ("hp_mb2_ep4", "hf_ep4"),
+             ("hp_fb_ep4", "hp_mb2_ep4"), ("hp_fb_ep4", "hf_ep4_mb2")]  # fmt: skip
     return [
         bench_record(
             f"{PREFIXES[cfg['model']]}/{a}_vs_{b}",
