@@ -36,8 +36,9 @@ bandwidth calibrated on the blocking step (``calibrate_link``: its bytes take as
 compute), latency 20 µs, exactly as the other modeled-link benchmarks
 (hp-moe's bench_moe.py, hp-mc2's, hp-context-parallel's): ``hidden_fraction = (T_blocking −
 T_ours) / T_link``, ``T_link`` the blocking step's modeled link seconds (hp-dtensor's
-``LinkMeasurement``). Records ``models_fb_overlap/<mesh>/link/<ours>_vs_<baseline>`` for
-``fb``, ``fb_one_chunk`` and ``in_layer`` against ``blocking`` and the two fb ones against
+``LinkMeasurement``). Records ``models_fb_overlap/<mesh>/link/<ours>_vs_<baseline>`` (at
+``m != 2``: ``.../link/m<m>/...``) for ``fb``, ``fb_one_chunk`` and ``in_layer`` against
+``blocking`` and the two fb ones against
 ``in_layer``, each with the peak tensor memory of a step (``peak_memory_bytes``, max over
 ranks; none for the fb ones: that tracker is a dispatch mode, thread-local, blind to the two
 sides' threads); against ``blocking`` also where the link time not hidden went
@@ -182,7 +183,8 @@ def _measure(cfg: dict[str, Any], models: dict[str, Any], steps: dict[str, Any])
         "load_avg_start": cfg["load_avg_start"],
         "load_avg_end": _loadavg(),
     }
-    base = f"{PREFIX}/{cfg['mesh']}/link"
+    m_tag = "" if cfg["microbatches"] == 2 else f"/m{cfg['microbatches']}"
+    base = f"{PREFIX}/{cfg['mesh']}/link{m_tag}"
     return [
         m.record(
             f"{base}/{a}_vs_{b}",
