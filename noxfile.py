@@ -60,6 +60,7 @@ nox.options.sessions = [
     "tests",
     "integration",
     "lint",
+    "tools",
     "pins",
     "lowest",
     "wheelhouse",
@@ -158,7 +159,8 @@ def integration(session: nox.Session) -> None:
 @nox.session(venv_params=_venv_params())
 def lint(session: nox.Session) -> None:
     """ruff, mypy on every package's sources, import-linter layering contracts (pyproject.toml),
-    sibling-pin consistency, namespace guard, no references outside the repository."""
+    sibling-pin consistency, namespace guard, no references outside the repository (the tools'
+    own tests: the ``tools`` session)."""
     _install(session, "ruff>=0.6", "mypy>=1.10", "import-linter>=2.1")
     _install_packages(session, _packages(), extra="test")
     session.run("ruff", "check", ".")
@@ -168,7 +170,16 @@ def lint(session: nox.Session) -> None:
     session.run("lint-imports", "--no-cache")
     session.run("python", str(ROOT / "tools" / "check_repo.py"))
     session.run("python", str(ROOT / "tools" / "release.py"), "check")
-    session.run("python", "-m", "pytest", str(ROOT / "tests" / "tools"), "-q", env=_env())
+
+
+@nox.session(venv_params=_venv_params())
+def tools(session: nox.Session) -> None:
+    """The repository tools' own tests (tests/tools: the release policy on throw-away commits,
+    the lanes and their signals, the compat and benchmark reports, the communication rule).
+    Apart from ``lint`` so that the lanes can balance them."""
+    _install(session, "pytest>=8", "pytest-timeout>=2.3", "matplotlib")
+    session.run("python", "-m", "pytest", str(ROOT / "tests" / "tools"), "-q", *session.posargs,
+                env=_env())  # fmt: skip
 
 
 @nox.session(venv_params=_venv_params())
