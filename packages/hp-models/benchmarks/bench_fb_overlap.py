@@ -38,16 +38,15 @@ compute), latency 20 µs, exactly as the other modeled-link benchmarks
 T_ours) / T_link``, ``T_link`` the blocking step's modeled link seconds (hp-dtensor's
 ``LinkMeasurement``). Records ``models_fb_overlap/<mesh>/link/<ours>_vs_<baseline>`` (at
 ``m != 2``: ``.../link/m<m>/...``) for ``fb``, ``fb_one_chunk`` and ``in_layer`` against
-``blocking`` and the two fb ones against
-``in_layer``, each with the peak tensor memory of a step (``peak_memory_bytes``, max over
-ranks; none for the fb ones: that tracker is a dispatch mode, thread-local, blind to the two
-sides' threads); against ``blocking`` also where the link time not hidden went
-(``schedule_hidden_share``: 1 − what ours' waits slept / its link time; ``split_unhidden_link``:
-that sleep; ``split_exchange_cpu``: the rest, the exchanges' real work on the rank's one core,
-gloo's copies and the chunks', beyond the blocking step's, each a share of ``T_link``);
-``moe_link_share`` (the dispatch and combine
-share of the blocking step's bytes over the link, from the recorder), the losses of the four
-(they must agree: same model, same batch) and ``fb_switches`` (hand-overs of the interleaved pair).
+``blocking`` and the two fb ones against ``in_layer``, each with the peak tensor memory of a
+step (``peak_memory_bytes``, max over ranks; the tracker is a dispatch mode, which the
+interleaved sides run under too); against ``blocking`` also where the link time not hidden
+went (``schedule_hidden_share``: 1 − what ours' waits slept / its link time;
+``split_unhidden_link``: that sleep; ``split_exchange_cpu``: the rest, the exchanges' real
+work on the rank's one core, gloo's copies and the chunks', beyond the blocking step's, each a
+share of ``T_link``); ``moe_link_share`` (the dispatch and combine share of the blocking step's
+bytes over the link, from the recorder), the losses of the four (they must agree: same model,
+same batch) and ``fb_switches`` (hand-overs of the interleaved pair).
 ``--repeat R`` runs the whole measurement R times and records the median run's figures with
 ``hidden_fraction_runs``.
 
@@ -144,12 +143,9 @@ def _measure(cfg: dict[str, Any], models: dict[str, Any], steps: dict[str, Any])
         runs=0,
         scale=cfg["link_scale"],
     )
-    # hp-dtensor's CPU tracker is a dispatch mode, which is thread-local: it does not see the
-    # tensors the interleaved sides allocate on their own threads, so fb has no figure
-    peak: dict[str, int | None] = {
-        n: None if n.startswith("fb") else int(max_over_ranks(float(peak_memory_bytes(fn))))
-        for n, fn in steps.items()
-    }
+    # hp-dtensor's CPU tracker is a dispatch mode: the interleaved sides run under the caller's
+    # dispatch modes (pipeline.interleave), so it sees both sides' tensors
+    peak = {n: int(max_over_ranks(float(peak_memory_bytes(fn)))) for n, fn in steps.items()}
     losses = {n: float(models[n].last_loss) for n in steps}
     share = max_over_ranks(_moe_share(steps["blocking"]))
     extra = {

@@ -12,8 +12,8 @@ interleaved, median of the repetitions:
   micro-batches of one row, micro-batch 1's forward interleaved with micro-batch 0's backward
   at their exchanges, each layer's own overlap kept; its step is ``pm.step`` on the global
   batch, then ``sync_gradients`` and AdamW like the others. Its bytes are counted by
-  ``simulated_link`` (the dispatcher-level counter is a dispatch mode, thread-local, blind to
-  the interleaved sides' threads) and it has no peak memory figure for the same reason;
+  the dispatcher-level counter like the others (a dispatch mode: the interleaved sides run
+  under the caller's dispatch modes), ``simulated_link``'s count beside it;
 - ``hp_mb2_ep4``: the same two micro-batches without the interleaving
   (``pipeline_model(..., microbatches=2, ep=4)``, torch's 1F1B over one stage: F0 B0 F1 B1,
   each layer's own overlap kept): what the micro-batching itself costs, apart from the
@@ -359,13 +359,13 @@ def _body(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     times = interleaved_timing(cases, repeats=cfg["repeats"], warmup=1, device=device)
     peak, moved, by_op, sim, params = {}, {}, {}, {}, {}
     for name, fn in cases.items():
-        piped = name in PIPED  # the fb sides' threads: no dispatch-mode counts
-        peak[name] = None if piped else int(max_over_ranks(float(peak_memory_bytes(fn, device))))
+        piped = name in PIPED  # the interleaved sides run under the caller's dispatch modes
+        peak[name] = int(max_over_ranks(float(peak_memory_bytes(fn, device))))
         with _DispatchBytes() as counter:
             fn()
         sim[name] = int(max_over_ranks(float(bytes_per_call(fn))))
-        moved[name] = sim[name] if piped else int(max_over_ranks(float(counter.bytes)))
-        by_op[name] = {} if piped else counter.by_op
+        moved[name] = int(max_over_ranks(float(counter.bytes)))
+        by_op[name] = counter.by_op
         held = models[name].parts[0] if piped else models[name]
         params[name] = int(max_over_ranks(float(_expert_param_bytes(held))))
     extra = {

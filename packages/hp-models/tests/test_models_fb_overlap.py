@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from test_models_pipeline import _case, _mesh
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from hyper_parallel.dtensor import comm, init_device_mesh, overlap, unflatten
 from hyper_parallel.dtensor.recorder import record_events
@@ -232,6 +233,18 @@ class _Note:
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
 
 
+class _Ops(TorchDispatchMode):
+    """The names of the ops dispatched under it, on whatever thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_the_two_sides_hand_over_at_their_in_flight_points() -> None:
     log: list[str] = []
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)
@@ -253,9 +266,14 @@ def test_the_two_sides_hand_over_at_their_in_flight_points() -> None:
         torch.autograd.backward(hold_backward_end(loss))
         log.append("B done")
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), _Ops() as ops:
         out, switches = run_interleaved(forward, backward)
+        caller_modes = _get_current_dispatch_mode_stack()
     assert seen == {"var": "caller", "cast": torch.bfloat16, "enabled": True}
+    # the caller's dispatch mode saw both sides' ops (the forward's add, the backward's
+    # gradient of the square: a mul), and the caller's own mode stack is as it was
+    assert {"aten.add.Tensor", "aten.mul.Tensor"} <= ops.names, ops.names
+    assert caller_modes == [ops] and _get_current_dispatch_mode_stack() == []
     # F starts its exchange and hands over; B's gradient exchange starts and hands back; F
     # computes and waits; B finishes (its end waits for F's end)
     assert log == [

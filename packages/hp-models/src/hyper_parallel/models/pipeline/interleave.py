@@ -21,9 +21,10 @@ collective (the two sides' exchanges, their blocking collectives, FSDP2's) in th
 The backward's end (autograd's final callbacks, where FSDP2 closes its backward) waits for the
 forward to finish first: FSDP2 resets per-pass state there.
 
-What runs on each side's thread inherits the caller's context: ``contextvars``, grad mode and
-autocast. Activation checkpointing composes: a recomputed forward runs inside the backward's
-side, and its exchanges are in-flight points like any other.
+What runs on each side's thread inherits the caller's context: ``contextvars``, grad mode,
+autocast and the caller's torch dispatch modes (the same mode objects, so a memory tracker or a
+FLOP counter around the step sees both sides). Activation checkpointing composes: a recomputed
+forward runs inside the backward's side, and its exchanges are in-flight points like any other.
 
 **Traced.** While hp-dtensor's event recorder is on (``record_events``), each side's running
 stretches are recorded as *segments*: a ``segment_begin`` event when the side starts or gets
@@ -48,6 +49,11 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 from torch.autograd import Function
+from torch.utils._python_dispatch import (  # torch's own helpers, 2.7.1 to 2.15
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
 from hyper_parallel.dtensor import comm
 from hyper_parallel.dtensor.amp import autocast_dtype
@@ -184,11 +190,21 @@ def hold_backward_end(loss: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def _caller_state(grad: bool, casts: list[tuple[str, torch.dtype]]) -> Iterator[None]:
+def _caller_state(
+    grad: bool, casts: list[tuple[str, torch.dtype]], modes: list[Any]
+) -> Iterator[None]:
+    """The caller's grad mode, autocast and torch dispatch modes (a memory tracker, a FLOP
+    counter: the mode objects themselves, so one counter sees both sides) on a side's thread.
+    Dispatch modes live in a thread-local stack: each mode is pushed on this thread's stack as
+    the caller's thread has it (outermost first) and popped at the end, without entering it a
+    second time (the mode's own enter/exit bookkeeping stays with the caller)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(grad))
         for device, dtype in casts:
             stack.enter_context(torch.autocast(device, dtype=dtype))
+        for mode in modes:
+            _push_mode(mode)
+            stack.callback(_pop_mode)
         yield
 
 
@@ -210,6 +226,7 @@ def run_interleaved(
         raise RuntimeError("run_interleaved does not nest")
     grad = torch.is_grad_enabled()
     casts = [(d, t) for d in ("cpu", "cuda", "npu") if (t := autocast_dtype(d)) is not None]
+    modes = _get_current_dispatch_mode_stack()
     baton = _Baton(names)
     out: list[Any] = [None, None]
     threads = []
@@ -218,7 +235,7 @@ def run_interleaved(
 
         def body(me: int = me, fn: Callable[[], Any] = fn, ctx: Any = ctx) -> None:
             def call() -> Any:
-                with _caller_state(grad, casts):
+                with _caller_state(grad, casts, modes):
                     return fn()
 
             ctx.run(baton.run_side, me, call, out)
