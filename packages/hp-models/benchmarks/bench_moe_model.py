@@ -237,7 +237,7 @@ class _Case:
     def grads(self) -> None:
         """Forward, backward and ``sync_gradients``: every gradient the serial one."""
         self.opt.zero_grad(set_to_none=True)
-        self.model(**self.local).loss.backward()
+        self.backward()
         # transformers' EP gradients are complete on their owner: keep them out of the sum
         kept = [p.grad for p in self.hf_params]
         for p in self.hf_params:
@@ -245,6 +245,9 @@ class _Case:
         sync_gradients(self.model)
         for p, g in zip(self.hf_params, kept):
             p.grad = g
+
+    def backward(self) -> None:
+        self.model(**self.local).loss.backward()
 
     def __call__(self) -> None:
         self.grads()
@@ -260,18 +263,11 @@ class _AccumCase(_Case):
     transformers' ``AllToAllEP`` would run it (two forwards and backwards, each loss halved:
     equal micro-batches, so the mean over the global batch), then ``sync_gradients``."""
 
-    def grads(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
+    def backward(self) -> None:
         rows = next(iter(self.local.values())).shape[0]
         for r in range(rows):
             part = {k: v[r : r + 1] for k, v in self.local.items()}
             (self.model(**part).loss / rows).backward()
-        kept = [p.grad for p in self.hf_params]
-        for p in self.hf_params:
-            p.grad = None
-        sync_gradients(self.model)
-        for p, g in zip(self.hf_params, kept):
-            p.grad = g
 
 
 #: the pipeline_model configurations (``pm.step`` on the global batch)
