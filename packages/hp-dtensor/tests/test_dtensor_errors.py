@@ -13,11 +13,12 @@ Rejected inputs:
 import pytest
 import torch
 import torch.distributed as dist
+from _new_world import new_world
 
 from hyper_parallel.dtensor import flatten, init_device_mesh, unflatten
 from hyper_parallel.dtensor import groups as hp_groups
 from hyper_parallel.dtensor.mesh import use_fallback
-from hyper_parallel.dtensor.testing import free_port, run_distributed
+from hyper_parallel.dtensor.testing import run_distributed
 
 BAD_CALLS = {
     "dim_out_of_range": (lambda m: unflatten(m, 2, (2, 2), ("x", "y")), "out of range"),
@@ -82,13 +83,7 @@ def _raise_then_work(fallback):
 def _both_paths():
     """The native and the fallback path, one spawn (a new world for the second: fresh caches)."""
     first = _raise_then_work(False)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    port = torch.tensor([free_port() if rank == 0 else 0])
-    dist.broadcast(port, src=0)
-    dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{int(port.item())}", rank=rank, world_size=world
-    )
+    new_world()
     return {False: first, True: _raise_then_work(True)}
 
 

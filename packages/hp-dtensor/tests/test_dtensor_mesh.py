@@ -10,6 +10,7 @@ Each test asserts on its own check's results.
 import pytest
 import torch
 import torch.distributed as dist
+from _new_world import new_world
 
 from hyper_parallel.dtensor import (
     check_rank_order,
@@ -21,28 +22,17 @@ from hyper_parallel.dtensor import (
 )
 from hyper_parallel.dtensor import groups as hp_groups
 from hyper_parallel.dtensor.mesh import native_path_available, use_fallback
-from hyper_parallel.dtensor.testing import free_port, run_distributed
+from hyper_parallel.dtensor.testing import run_distributed
 
 TIMEOUT = 60
 SPAWN_TIMEOUT = 300  # one spawn runs every check of its world size
-
-
-def _new_world():
-    """Replace the default process group by a new one over the same ranks (new rendezvous)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    port = torch.tensor([free_port() if rank == 0 else 0])
-    dist.broadcast(port, src=0)
-    dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{int(port.item())}", rank=rank, world_size=world
-    )
 
 
 def _each_in_a_new_world(jobs):
     """``{key: fn(*args)}`` for each ``(key, fn, args)``, every one in a new world."""
     out = {}
     for key, fn, args in jobs:
-        _new_world()
+        new_world()
         out[key] = fn(*args)
     return out
 
@@ -310,13 +300,7 @@ def _reinit_world():
     made = [cache.get_or_create("k", lambda: 1), cache.get_or_create("k", lambda: 2)]
     first = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     old_group = unflatten(first, "a", (2,), ("a2",)).get_group("b")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    port = torch.tensor([free_port() if rank == 0 else 0])
-    dist.broadcast(port, src=0)  # a fresh rendezvous for the second world
-    dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{int(port.item())}", rank=rank, world_size=world
-    )
+    new_world()  # a fresh rendezvous for the second world
     second = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     new_group = second.get_group("b")
     # a world-scoped cache forgets what the old world put in it

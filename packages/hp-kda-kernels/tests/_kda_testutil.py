@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import uuid
+
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
 
 def kda_inputs(
@@ -72,3 +76,21 @@ def compare_blocks(results: list, ref: tuple, tag: object, tol: float = 1e-5) ->
     for name, want in grads.items():
         assert want.abs().max() > 0, (tag, name)
         assert max_rel_err(sum(res[2][name] for res in results), want) < tol, (tag, name)
+
+
+def new_world() -> None:
+    """Replace the default process group by a new one over the same ranks (every rank calls
+    it), meeting again in the old world's store under a fresh prefix rank 0 names: a new TCP
+    port found free could be taken by another process (another test lane's store) before this
+    world's store binds it."""
+    name = torch.zeros(32, dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        name = torch.tensor(list(uuid.uuid4().hex.encode()), dtype=torch.uint8)
+    dist.broadcast(name, src=0)
+    store = _get_default_store()  # held here: it outlives the old group
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    prefix = f"new-world-{bytes(name.tolist()).decode()}/"
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world
+    )

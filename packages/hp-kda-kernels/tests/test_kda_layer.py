@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _kda_testutil import bounds, kda_inputs, max_rel_err
+from _kda_testutil import bounds, kda_inputs, max_rel_err, new_world
 
 from hyper_parallel.dtensor import init_device_mesh
-from hyper_parallel.dtensor.testing import free_port, run_distributed
+from hyper_parallel.dtensor.testing import run_distributed
 from hyper_parallel.kda import kda_context_parallel, naive_recurrent_kda
 from hyper_parallel.kda import layer as layer_mod
 
@@ -177,12 +177,7 @@ def _new_world() -> tuple[Any, ...]:
     mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("cp",))
     o1, _ = kda_context_parallel(*xs, mesh, protocol="p2p", chunk_size=8)
     ex1 = layer_mod.executor_for(mesh, "p2p", None, "auto", None)
-    port = torch.tensor([free_port() if r == 0 else 0])
-    dist.broadcast(port, src=0)
-    dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{int(port.item())}", rank=r, world_size=P
-    )
+    new_world()
     mesh2 = init_device_mesh("cpu", (P,), mesh_dim_names=("cp",))
     o2, _ = kda_context_parallel(*xs, mesh2, protocol="p2p", chunk_size=8)
     ex2 = layer_mod.executor_for(mesh2, "p2p", None, "auto", None)
