@@ -235,8 +235,8 @@ def _tools_python() -> Path:
 # 13.8 / 17.7 / 18.6; moving hp-dtensor's tests to the first lane and hp-context-parallel's to
 # the last measured 19.1): hp-models' tests are the longest session, so the package tests are
 # split over the lanes (2026-12-06, fresh clone: 22.5 min, lanes 18.6 / 21.5 / 22.3, with the
-# tools' own tests still inside ``lint``; they are the ``tools`` session now, in the first
-# lane). Every default
+# tools' own tests still inside ``lint``; as the ``tools`` session in the first lane: 21.6 min,
+# lanes 20.7 / 21.5 / 21.0). Every default
 # session (each package's ``tests``) is in exactly one lane (tests/tools/test_dev.py).
 # HP_TEST_LANES=1 runs them one after another, as plain nox does.
 def _tests(dist: str) -> str:
