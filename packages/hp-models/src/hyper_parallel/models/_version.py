@@ -1,1 +1,1 @@
-__version__ = "0.3.1.dev55"
+__version__ = "0.3.1.dev56"

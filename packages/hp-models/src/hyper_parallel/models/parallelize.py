@@ -222,7 +222,7 @@ def parallelize_model(
     the model's class and family, the role of every block, the parameter dtypes and count, the
     mesh's shape and dim names, and the options (``mla_strategy``, ``overlap``,
     ``kda_protocol``, ``local_kernel``, the resolved ``grad_reduction``, ``mp_policy``,
-    ``ep``); the forward
+    ``ep``, ``dispatcher``, ``moe_chunks``); the forward
     then compares its keyword arguments over the flattened mesh, for its layers too.
     """
     return apply_parallel(
