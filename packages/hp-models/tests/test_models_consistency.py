@@ -45,6 +45,9 @@ def _cases() -> dict[str, Any]:
     res["protocol"] = _caught(
         lambda: parallelize_model(tiny_model("kimi"), mesh, kda_protocol="p2p" if rank else "auto")
     )
+    res["moe_chunks"] = _caught(
+        lambda: parallelize_model(tiny_model("kimi"), mesh, moe_chunks=2 if rank else "auto")
+    )
     dt = torch.float32 if rank else torch.float64
     res["dtype"] = _caught(lambda: parallelize_model(tiny_model("kimi", dtype=dt), mesh))
     # one comparison per parallelize_model: the layers' entry points inside do not re-compare
@@ -88,6 +91,7 @@ def _cases() -> dict[str, Any]:
 EXPECTED = {
     "strategy": ("mla_strategy", "parallelize_model"),
     "protocol": ("kda_protocol", "parallelize_model"),
+    "moe_chunks": ("moe_chunks", "parallelize_model"),
     "dtype": ("param_dtypes", "parallelize_model"),
     "seq": ("arg_input_ids", "parallelized model forward"),
     "gather": ("x", "gather_sequence"),
